@@ -1,0 +1,104 @@
+"""Quantise and dequantise references for every vault block type, side by side (vault_format.md §4).
+
+All functions take and return torch tensors on the CPU. Matrices are [rows, cols] as nn.Linear stores
+them; blocks run along cols (the input dimension) for Q4 and over 128 x 128 tiles for FP8.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .format import FP8_BLOCK, FP8_E4M3_MAX, Q4_BLOCK, Q4_BLOCK_BYTES, Q4_ZERO, ScaleDtype
+
+SCALE_TORCH_DTYPES = {ScaleDtype.F16: torch.float16, ScaleDtype.BF16: torch.bfloat16, ScaleDtype.F32: torch.float32}
+
+
+def scale_dtype_of(dtype: torch.dtype) -> ScaleDtype:
+    for code, torch_dtype in SCALE_TORCH_DTYPES.items():
+        if torch_dtype == dtype:
+            return code
+    raise ValueError(f"no vault scale dtype for {dtype}")
+
+
+# --- Q4_G32 -------------------------------------------------------------------------------------
+def _q4_codes(blocks: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Signed codes in [-8, 7] for blocks [R, nb, 32] under f16 scales d [R, nb, 1], and the squared error."""
+    d32 = d.float()
+    inv = torch.where(d32 != 0, 1.0 / d32, torch.zeros_like(d32))
+    q = torch.round(blocks * inv).clamp_(-8, 7)
+    err = ((q * d32 - blocks) ** 2).sum(-1, keepdim=True)
+    return q, err
+
+
+def quantize_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_G32: w ~= d * (q - 8), one f16 d per 32 weights of a row.
+
+    The encoder starts from llama.cpp's Q4_0 scale (the weight of largest magnitude maps to -8), refits
+    d by least squares for those codes, and keeps whichever of the two has the smaller block error.
+    Columns past the last whole block are padded with zeros (code 8).
+
+    Returns:
+        codes: uint8 [R, ceil(C/32) * 16]; byte j of block b holds element 32b+j (low nibble) and
+            32b+j+16 (high nibble).
+        scales: float16 [R, ceil(C/32)].
+    """
+    rows, cols = w.shape
+    nb = -(-cols // Q4_BLOCK)
+    blocks = torch.zeros(rows, nb * Q4_BLOCK, dtype=torch.float32)
+    blocks[:, :cols] = w.float()
+    blocks = blocks.view(rows, nb, Q4_BLOCK)  # [R, nb, 32]
+    if not torch.isfinite(blocks).all():
+        raise ValueError("weights contain inf or nan")
+    extreme = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))  # [R, nb, 1], signed
+    d0 = (extreme / -8.0).to(torch.float16)
+    q0, e0 = _q4_codes(blocks, d0)
+    d1 = ((q0 * blocks).sum(-1, keepdim=True) / (q0 * q0).sum(-1, keepdim=True).clamp_min(1.0)).to(torch.float16)
+    q1, e1 = _q4_codes(blocks, d1)
+    better = e1 < e0
+    d = torch.where(better, d1, d0)
+    if not torch.isfinite(d).all():
+        raise ValueError("weights exceed the f16 range of Q4 scales")
+    u = (torch.where(better, q1, q0) + Q4_ZERO).to(torch.uint8)  # [R, nb, 32], 0..15
+    half = Q4_BLOCK // 2
+    codes = u[..., :half] | (u[..., half:] << 4)  # [R, nb, 16]
+    return codes.reshape(rows, nb * Q4_BLOCK_BYTES).contiguous(), d.reshape(rows, nb).contiguous()
+
+
+def dequantize_q4(codes: torch.Tensor, scales: torch.Tensor, cols: int) -> torch.Tensor:
+    """float32 [R, cols] from Q4_G32 codes [R, nb*16] and f16 scales [R, nb]."""
+    rows, nb = scales.shape
+    packed = codes.reshape(rows, nb, Q4_BLOCK_BYTES)
+    q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float() - Q4_ZERO  # [R, nb, 32]
+    return (q * scales.float().unsqueeze(-1)).reshape(rows, nb * Q4_BLOCK)[:, :cols]
+
+
+# --- FP8_B128 -----------------------------------------------------------------------------------
+def _expand_blocks(scales: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """[ceil(R/128), ceil(C/128)] block scales -> float32 [R, C], one value per weight."""
+    return scales.float().repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[:rows, :cols]
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8_B128: w ~= e4m3(q) * s, s = amax(block) / 448 in f32 (1.0 for an all-zero block).
+
+    Returns:
+        codes: uint8 [R, C], the E4M3FN bit patterns.
+        scales: float32 [ceil(R/128), ceil(C/128)].
+    """
+    rows, cols = w.shape
+    rb, cb = -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
+    padded = torch.zeros(rb * FP8_BLOCK, cb * FP8_BLOCK, dtype=torch.float32)
+    padded[:rows, :cols] = w.float()
+    if not torch.isfinite(padded).all():
+        raise ValueError("weights contain inf or nan")
+    amax = padded.view(rb, FP8_BLOCK, cb, FP8_BLOCK).abs().amax(dim=(1, 3))  # [rb, cb]
+    scales = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+    q = (w.float() / _expand_blocks(scales, rows, cols)).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return q.to(torch.float8_e4m3fn).view(torch.uint8).contiguous(), scales.contiguous()
+
+
+def dequantize_fp8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 [R, C] from E4M3FN codes (uint8 or float8) and block scales of any float dtype."""
+    rows, cols = codes.shape
+    values = codes.view(torch.float8_e4m3fn).float()
+    return values * _expand_blocks(scales, rows, cols)

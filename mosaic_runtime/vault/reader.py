@@ -1,0 +1,159 @@
+"""Open and validate a converted model directory; locate, read and dequantise expert records."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import torch
+
+from .format import (BACKBONE_FILE, HEADER_SIZE, VAULT_FILE, IndexEntry, QuantType, Reason,
+                     VaultError, VaultHeader, crc32, decode_meta, moe_layers_of, unpack_index)
+from .record import dequantize_record
+
+QUANT_LABELS = {QuantType.Q4_G32: "q4", QuantType.FP8_B128: "fp8"}
+_SAFETENSORS_MAX_HEADER = 100 << 20  # the safetensors library's own limit
+
+
+class Vault:
+    """A validated vault. Opening reads only the header, the metadata and the index."""
+
+    def __init__(self, directory: str | os.PathLike):
+        directory = Path(directory)
+        if directory.is_file() and directory.name == VAULT_FILE:
+            directory = directory.parent
+        self.directory = directory
+        self.path = directory / VAULT_FILE
+        self.backbone_path = directory / BACKBONE_FILE
+        for p in (self.path, self.backbone_path):
+            if not p.is_file():
+                raise VaultError(Reason.MISSING_FILE, f"{p.name} not found in {directory}", path=str(p))
+        self._file = open(self.path, "rb", buffering=0)
+        try:
+            self._load()
+        except BaseException:
+            self._file.close()
+            raise
+
+    def _load(self) -> None:
+        where = str(self.path)
+        actual = os.fstat(self._file.fileno()).st_size
+        header = VaultHeader.unpack(self._pread(0, min(HEADER_SIZE, actual)), path=where)
+        if actual < header.file_size:
+            raise VaultError(Reason.TRUNCATED, f"file is {actual} bytes, header says {header.file_size}", path=where,
+                             offset=actual)
+        if actual > header.file_size:
+            raise VaultError(Reason.BAD_HEADER, f"file is {actual} bytes, header says {header.file_size}", path=where,
+                             offset=112)
+        meta = self._pread(header.arch_offset, header.data_offset - header.arch_offset)
+        if crc32(meta) != header.meta_crc32:
+            raise VaultError(Reason.BAD_CHECKSUM, "arch/lineage/index CRC-32 does not match", path=where,
+                             offset=header.arch_offset)
+        rel = lambda off: off - header.arch_offset  # noqa: E731
+        self.arch = decode_meta(meta[:header.arch_length], "arch", path=where, offset=header.arch_offset)
+        self.lineage = decode_meta(meta[rel(header.lineage_offset):rel(header.lineage_offset) + header.lineage_length],
+                                   "lineage", path=where, offset=header.lineage_offset)
+        moe_layers = moe_layers_of(self.arch, path=where)
+        for field, value in (("num_experts", header.num_experts), ("hidden_size", header.hidden),
+                             ("moe_intermediate_size", header.intermediate)):
+            if self.arch[field] != value:
+                raise VaultError(Reason.BAD_METADATA, f"arch {field} = {self.arch[field]}, header says {value}",
+                                 path=where)
+        if self.arch["num_hidden_layers"] != header.num_layers:
+            raise VaultError(Reason.BAD_METADATA, "arch num_hidden_layers disagrees with the header", path=where)
+        raw_index = meta[rel(header.index_offset):rel(header.index_offset) + header.index_length]
+        self.header = header
+        self.layout = header.layout
+        self.entries: dict[tuple[int, int], IndexEntry] = {
+            (e.layer, e.expert): e for e in unpack_index(raw_index, header, moe_layers, path=where)}
+        self.moe_layers = moe_layers
+
+    # --- public API ---------------------------------------------------------------------------
+    @property
+    def quant(self) -> str:
+        return QUANT_LABELS[self.header.quant]
+
+    def entry(self, layer: int, expert: int) -> IndexEntry:
+        try:
+            return self.entries[(layer, expert)]
+        except KeyError:
+            raise KeyError(f"no expert record for layer {layer}, expert {expert} in {self.path}") from None
+
+    def read_record(self, layer: int, expert: int, *, check: bool = True) -> bytes:
+        """The raw record bytes; with check, its CRC-32 is verified first."""
+        e = self.entry(layer, expert)
+        raw = self._pread(e.offset, e.length)
+        if check and crc32(raw) != e.crc32:
+            raise VaultError(Reason.BAD_CHECKSUM, "expert record CRC-32 does not match", path=str(self.path),
+                             offset=e.offset, layer=layer, expert=expert)
+        return raw
+
+    def dequantize_expert(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate [I, H], up [I, H], down [H, I]) as float32 tensors."""
+        return dequantize_record(self.layout, self.read_record(layer, expert))
+
+    def backbone_header(self) -> dict:
+        """The backbone's safetensors header, checked against the file size."""
+        where = str(self.backbone_path)
+        with open(self.backbone_path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) < 8:
+                raise VaultError(Reason.TRUNCATED, "backbone shorter than its 8-byte header length", path=where)
+            (n,) = struct.unpack("<Q", head)
+            if n > min(_SAFETENSORS_MAX_HEADER, size - 8):
+                raise VaultError(Reason.TRUNCATED, f"backbone header length {n} exceeds the file", path=where, offset=0)
+            try:
+                meta = json.loads(f.read(n))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise VaultError(Reason.BAD_METADATA, f"backbone header is not JSON: {e}", path=where, offset=8) from None
+        end = max((v["data_offsets"][1] for k, v in meta.items() if k != "__metadata__"), default=0)
+        if 8 + n + end != size:
+            raise VaultError(Reason.TRUNCATED if 8 + n + end > size else Reason.BAD_HEADER,
+                             f"backbone data ends at {8 + n + end}, file is {size} bytes", path=where)
+        return meta
+
+    def verify(self, progress=None) -> list[VaultError]:
+        """Re-read every record and check its CRC-32 and the backbone's extent; return what is wrong."""
+        problems = []
+        try:
+            self.backbone_header()
+        except VaultError as e:
+            problems.append(e)
+        for (layer, expert) in self.entries:
+            try:
+                self.read_record(layer, expert)
+            except VaultError as e:
+                problems.append(e)
+            if progress is not None:
+                progress(self.layout.record_bytes)
+        return problems
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> "Vault":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _pread(self, offset: int, length: int) -> bytes:
+        data = os.pread(self._file.fileno(), length, offset)
+        if len(data) != length:
+            raise VaultError(Reason.TRUNCATED, f"short read: wanted {length} bytes, got {len(data)}",
+                             path=str(self.path), offset=offset)
+        return data
+
+
+def open_vault(path: str | os.PathLike) -> Vault:
+    """Open a converted model directory (or its experts.vault file).
+
+    Raises:
+        VaultError: the directory is incomplete, or the vault is truncated, corrupted or of an
+            unsupported version; the message names the file, field and offset.
+    """
+    return Vault(path)
+

@@ -1,0 +1,55 @@
+"""Assemble and take apart one expert record (vault_format.md §4) from its quantised planes."""
+
+from __future__ import annotations
+
+import torch
+
+from .format import PROJECTIONS, QuantType, RecordLayout, projection_shape
+from .quant import SCALE_TORCH_DTYPES, dequantize_fp8, dequantize_q4
+
+Planes = dict[str, tuple[torch.Tensor, torch.Tensor]]  # projection -> (codes uint8, scales)
+
+
+def pack_record(layout: RecordLayout, planes: Planes) -> bytearray:
+    """The record's bytes, record_bytes long, every gap and the page tail zero."""
+    out = bytearray(layout.record_bytes)
+    scale_dtype = SCALE_TORCH_DTYPES[layout.scale_dtype]
+    for proj in PROJECTIONS:
+        codes, scales = planes[proj]
+        for kind, tensor, dtype in (("codes", codes, torch.uint8), ("scales", scales, scale_dtype)):
+            plane = layout.plane(proj, kind)
+            if tensor.dtype != dtype or tuple(tensor.shape) != plane.shape:
+                raise ValueError(f"{proj} {kind}: got {tensor.dtype} {tuple(tensor.shape)}, "
+                                 f"layout wants {dtype} {plane.shape}")
+            raw = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+            out[plane.offset:plane.offset + plane.nbytes] = raw
+    return out
+
+
+def unpack_record(layout: RecordLayout, record) -> Planes:
+    """Views of the planes of a record buffer (bytes, bytearray or memoryview of record_bytes)."""
+    if len(record) < layout.payload_bytes:
+        raise ValueError(f"record has {len(record)} bytes, layout needs {layout.payload_bytes}")
+    buf = torch.frombuffer(bytearray(record[:layout.payload_bytes]), dtype=torch.uint8)
+    scale_dtype = SCALE_TORCH_DTYPES[layout.scale_dtype]
+    planes = {}
+    for proj in PROJECTIONS:
+        c, s = layout.plane(proj, "codes"), layout.plane(proj, "scales")
+        codes = buf[c.offset:c.offset + c.nbytes].view(c.shape)
+        scales = buf[s.offset:s.offset + s.nbytes].view(scale_dtype).view(s.shape)
+        planes[proj] = (codes, scales)
+    return planes
+
+
+def dequantize_record(layout: RecordLayout, record) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(gate [I, H], up [I, H], down [H, I]) in float32."""
+    planes = unpack_record(layout, record)
+    out = []
+    for proj in PROJECTIONS:
+        codes, scales = planes[proj]
+        _, cols = projection_shape(proj, layout.hidden, layout.intermediate)
+        if layout.quant is QuantType.Q4_G32:
+            out.append(dequantize_q4(codes, scales, cols))
+        else:
+            out.append(dequantize_fp8(codes, scales))
+    return tuple(out)

@@ -1,0 +1,162 @@
+"""A Hugging Face checkpoint directory (or a repo id in the local Hub cache): config and tensors.
+
+Listing reads only safetensors headers, never weights, so `probe` answers in seconds at any scale.
+Tensors are read lazily, one at a time or one slice at a time, through the safetensors library.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
+               "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+                   "added_tokens.json")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be read or converted; the message says what and where."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str  # safetensors spelling: BF16, F32, F8_E4M3, ...
+    shape: tuple[int, ...]
+    file: Path
+    begin: int  # absolute byte offsets of the data in the file
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
+    """Tensor descriptors of one safetensors file, checked against its size; reads only the header."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise CheckpointError(f"{path}: too short to be a safetensors file")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(MAX_HEADER_BYTES, size - 8):
+            raise CheckpointError(f"{path}: header length {n} exceeds the file or the 100 MiB limit")
+        try:
+            meta = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path}: header is not JSON ({e})") from None
+    base, out = 8 + n, {}
+    for name, v in meta.items():
+        if name == "__metadata__":
+            continue
+        begin, end = v["data_offsets"]
+        dtype, shape = v["dtype"], tuple(v["shape"])
+        info = TensorInfo(name, dtype, shape, path, base + begin, base + end)
+        if dtype in DTYPE_BYTES and info.nbytes != info.numel * DTYPE_BYTES[dtype]:
+            raise CheckpointError(f"{path}: {name} has {info.nbytes} bytes for {dtype} {list(shape)}")
+        if base + end > size:
+            raise CheckpointError(f"{path}: {name} ends at byte {base + end}, file is {size} bytes (truncated?)")
+        out[name] = info
+    return out
+
+
+def resolve(source: str, revision: str | None = None) -> tuple[Path, str | None, str | None]:
+    """A local directory, or a repo id found offline in the Hub cache.
+
+    Returns:
+        (directory, repo_id or None, revision or None)
+    """
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path, None, None
+    if path.exists():
+        raise CheckpointError(f"{source} is a file; give the checkpoint directory")
+    if source.count("/") != 1 or source.startswith((".", "/", "~")):
+        raise CheckpointError(f"{source}: no such directory")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    try:
+        snapshot = snapshot_download(source, revision=revision, local_files_only=True)
+    except LocalEntryNotFoundError:
+        raise CheckpointError(f"{source} is not in the local Hugging Face cache. Download it first:\n"
+                              f"  hf download {source}" + (f" --revision {revision}" if revision else "")) from None
+    snapshot = Path(snapshot)
+    return snapshot, source, revision or snapshot.name
+
+
+class Checkpoint:
+    """Config, tensor inventory and lazy tensor access of one checkpoint."""
+
+    def __init__(self, source: str, revision: str | None = None):
+        self.directory, self.repo_id, self.revision = resolve(source, revision)
+        config_path = self.directory / "config.json"
+        if not config_path.is_file():
+            raise CheckpointError(f"{self.directory}: no config.json (not a Hugging Face checkpoint?)")
+        try:
+            self.config = json.loads(config_path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{config_path}: not valid JSON ({e})") from None
+        self.files = self._weight_files()
+        self.tensors: dict[str, TensorInfo] = {}
+        for f in self.files:
+            for name, info in read_safetensors_header(f).items():
+                if name in self.tensors:
+                    raise CheckpointError(f"{name} appears in both {self.tensors[name].file.name} and {f.name}")
+                self.tensors[name] = info
+        self._handles: dict[Path, object] = {}
+
+    def _weight_files(self) -> list[Path]:
+        d = self.directory
+        index = d / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            names = sorted(set(weight_map.values()))
+            missing = [n for n in names if not (d / n).is_file()]
+            if missing:
+                raise CheckpointError(f"{d}: the index names shards that are missing: {', '.join(missing[:3])}"
+                                      + (" ..." if len(missing) > 3 else ""))
+            return [d / n for n in names]
+        files = sorted(d.glob("*.safetensors"))
+        if not files:
+            bins = sorted(d.glob("*.bin")) + sorted(d.glob("*.pt")) + sorted(d.glob("*.gguf"))
+            hint = f" (found {bins[0].name}: only safetensors checkpoints are supported)" if bins else ""
+            raise CheckpointError(f"{d}: no safetensors weights{hint}")
+        return files
+
+    @property
+    def source_label(self) -> str:
+        return self.repo_id if self.repo_id else str(self.directory.resolve())
+
+    def tokenizer_files(self) -> list[Path]:
+        return [self.directory / n for n in TOKENIZER_FILES if (self.directory / n).is_file()]
+
+    def _handle(self, path: Path):
+        if path not in self._handles:
+            from safetensors import safe_open
+            self._handles[path] = safe_open(str(path), framework="pt")
+        return self._handles[path]
+
+    def read(self, name: str) -> torch.Tensor:
+        info = self.tensors[name]
+        return self._handle(info.file).get_tensor(name)
+
+    def read_slice(self, name: str, index) -> torch.Tensor:
+        """One slice of a tensor, e.g. index=(3,) for expert 3 of a fused [E, ...] tensor."""
+        info = self.tensors[name]
+        return self._handle(info.file).get_slice(name)[index]

@@ -1,0 +1,170 @@
+"""`mosaic-shatter probe | convert | verify`: parse, call, print. Exit codes: 0 ok, 1 failed, 2 refused."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from mosaic_runtime.vault.format import QUANT_NAMES, VaultError
+
+from .architectures import UnsupportedModel
+from .checkpoint import Checkpoint, CheckpointError
+from .convert import ConvertError, convert, needed_disk_bytes
+from .plan import Plan, make_plan
+
+WORKERS = 2
+
+
+def _fail(message: str, code: int = 2):
+    click.echo(f"mosaic-shatter: {message}", err=True)
+    sys.exit(code)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def probe_report(ckpt: Checkpoint, plan: Plan) -> dict:
+    """Everything probe says, as one JSON-ready object."""
+    arch, fmt = plan.arch, plan.source_format
+    kinds = arch["layer_kinds"]
+    return {
+        "source": ckpt.source_label,
+        "model_type": arch["model_type"],
+        "num_layers": arch["num_hidden_layers"],
+        "moe_layers": kinds.count("moe"),
+        "dense_layers": kinds.count("dense"),
+        "layer_kinds": kinds,
+        "num_experts": arch["num_experts"],
+        "top_k": arch["num_experts_per_tok"],
+        "norm_topk_prob": arch["norm_topk_prob"],
+        "shared_expert_intermediate_size": arch["shared_expert_intermediate_size"],
+        "hidden_size": arch["hidden_size"],
+        "moe_intermediate_size": arch["moe_intermediate_size"],
+        "attention": {k: arch[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim")},
+        "rope": arch["rope"],
+        "source_format": {k: v for k, v in fmt.items() if k != "expert_bytes_per_weight"},
+        "expert_source_bytes": 3 * plan.hidden * plan.intermediate * fmt["expert_bytes_per_weight"],
+        "record_bytes": {name: plan.record_bytes(q) for name, q in QUANT_NAMES.items()},
+        "num_records": len(plan.experts),
+        "vault_bytes": {name: plan.vault_bytes(q) for name, q in QUANT_NAMES.items()},
+        "backbone_bytes": plan.backbone_bytes,
+        "backbone_tensors": len(plan.backbone),
+        "fp8_passthrough": plan.fp8_passthrough(),
+        "peak_ram_bytes": plan.peak_ram_bytes(WORKERS),
+        "disk_bytes": {name: needed_disk_bytes(ckpt, plan, q) for name, q in QUANT_NAMES.items()},
+        "problems": plan.problems,
+    }
+
+
+def _print_probe(r: dict) -> None:
+    fmt, att = r["source_format"], r["attention"]
+    echo = click.echo
+    echo(f"{r['source']}")
+    echo(f"  model_type      {r['model_type']}")
+    echo(f"  source          {fmt['files']} safetensors file(s), experts {fmt['expert_dtype']} "
+         f"({fmt['expert_layout']})" + (f", FP8 blocks {fmt['fp8_block']} scales {fmt['fp8_scale_dtype']}"
+                                        if fmt["fp8_block"] else ""))
+    echo(f"  layers          {r['num_layers']} ({r['moe_layers']} MoE, {r['dense_layers']} dense)")
+    echo(f"  experts         {r['num_experts']} per MoE layer, top-{r['top_k']}, "
+         f"norm_topk_prob {str(r['norm_topk_prob']).lower()}, shared experts "
+         f"{r['shared_expert_intermediate_size'] or 'none'}")
+    echo(f"  geometry        hidden {r['hidden_size']}, moe_intermediate {r['moe_intermediate_size']}, "
+         f"{att['num_attention_heads']} heads / {att['num_key_value_heads']} kv heads x {att['head_dim']}, "
+         f"rope theta {r['rope']['theta']:g}")
+    echo(f"  per expert      source {_size(r['expert_source_bytes'])}; Q4 {_size(r['record_bytes']['q4'])}; "
+         f"FP8 {_size(r['record_bytes']['fp8'])}")
+    echo(f"  vault           Q4 {_size(r['vault_bytes']['q4'])}, FP8 {_size(r['vault_bytes']['fp8'])}"
+         f"{' (FP8 passes the source through bit-exactly)' if r['fp8_passthrough'] else ''}  "
+         f"[{r['num_records']} records]")
+    echo(f"  backbone bf16   {_size(r['backbone_bytes'])} ({r['backbone_tensors']} tensors)")
+    echo(f"  convert needs   peak RAM ~{_size(r['peak_ram_bytes'])}; free disk Q4 {_size(r['disk_bytes']['q4'])}, "
+         f"FP8 {_size(r['disk_bytes']['fp8'])}")
+    if r["problems"]:
+        echo(f"  cannot convert  {len(r['problems'])} problem(s):")
+        for p in r["problems"][:20]:
+            echo(f"    - {p}")
+        if len(r["problems"]) > 20:
+            echo(f"    ... and {len(r['problems']) - 20} more")
+    else:
+        echo("  cannot convert  nothing: ready to convert")
+
+
+def _open(source: str, revision: str | None) -> tuple[Checkpoint, Plan]:
+    try:
+        ckpt = Checkpoint(source, revision)
+        return ckpt, make_plan(ckpt)
+    except (CheckpointError, UnsupportedModel) as e:
+        _fail(str(e))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="mosaic")
+def main():
+    """Turn a Hugging Face MoE checkpoint into a Mosaic expert vault and bf16 backbone."""
+
+
+@main.command()
+@click.argument("source")
+@click.option("--revision", help="Revision, when SOURCE is a repo id in the Hub cache.")
+@click.option("--json", "as_json", is_flag=True, help="Print one machine-readable JSON object.")
+def probe(source, revision, as_json):
+    """Dry run: read headers and config only, print topology, sizes and what cannot be converted."""
+    ckpt, plan = _open(source, revision)
+    report = probe_report(ckpt, plan)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        _print_probe(report)
+
+
+@main.command(name="convert")
+@click.argument("source")
+@click.option("-o", "--out", required=True, type=click.Path(), help="Output model directory.")
+@click.option("--quant", required=True, type=click.Choice(sorted(QUANT_NAMES)), help="Expert quantisation.")
+@click.option("--revision", help="Revision, when SOURCE is a repo id in the Hub cache.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists (only once the new one is complete).")
+@click.option("--workers", default=WORKERS, show_default=True, help="Expert encoding threads.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def convert_cmd(source, out, quant, revision, force, workers, quiet):
+    """Convert SOURCE (a checkpoint directory or a cached repo id) into OUT."""
+    try:
+        result = convert(source, out, quant, revision=revision, workers=workers, force=force,
+                         progress=not quiet)
+    except (CheckpointError, UnsupportedModel, ConvertError) as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        _fail("interrupted; nothing was written to the output path", 130)
+    click.echo(f"wrote {result.out}: {result.records} expert records, vault {_size(result.vault_bytes)}, "
+               f"backbone {_size(result.backbone_bytes)} in {result.seconds:.1f} s")
+
+
+@main.command()
+@click.argument("out", type=click.Path())
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def verify(out, quiet):
+    """Re-read OUT and check every checksum, alignment and index entry. Exit 0 only if all is well."""
+    from tqdm import tqdm
+
+    from mosaic_runtime.vault import open_vault
+    try:
+        vault = open_vault(out)
+    except VaultError as e:
+        _fail(str(e), 1)
+    with vault, tqdm(total=vault.header.num_records * vault.header.record_bytes, unit="B", unit_scale=True,
+                     desc="verify", disable=quiet) as bar:
+        problems = vault.verify(progress=bar.update)
+    if problems:
+        for p in problems:
+            click.echo(f"FAIL {p}", err=True)
+        _fail(f"{len(problems)} problem(s) in {out}", 1)
+    click.echo(f"ok {out}: {vault.header.num_records} records ({vault.quant}), index, metadata and backbone intact")
+
+
+if __name__ == "__main__":
+    main()

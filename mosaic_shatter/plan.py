@@ -1,0 +1,233 @@
+"""Pure planning: which tensor goes where, the sizes of the outputs, and what cannot be converted.
+
+`make_plan` reads only the checkpoint's config and tensor inventory (headers), never weights, so it
+serves both `probe` and `convert`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from mosaic_runtime.vault.format import (PROJECTIONS, QuantType, ScaleDtype, encode_meta, plan_header,
+                                         projection_shape, record_layout)
+
+from .architectures import Architecture, architecture_for
+from .checkpoint import Checkpoint, TensorInfo
+
+FLOAT_DTYPES = ("BF16", "F16", "F32")
+FP8_DTYPE = "F8_E4M3"
+SCALE_DTYPES = {"BF16": ScaleDtype.BF16, "F32": ScaleDtype.F32}
+CHUNK_BYTES = 64 << 20  # backbone tensors are converted in chunks of about this many bytes
+BASELINE_RAM = 600 << 20  # Python, torch and the safetensors handles, measured in benchmarks/
+LINEAGE_ALLOWANCE = 4096  # bytes reserved in size estimates for the lineage block
+
+
+@dataclass(frozen=True)
+class ProjectionSource:
+    """Where one projection of one expert comes from."""
+
+    tensor: str
+    index: tuple = ()  # slice of the source tensor: () whole, (e,) or (e, slice) for fused tensors
+    scale: str | None = None  # block-FP8 weight_scale_inv tensor, if any
+
+
+@dataclass(frozen=True)
+class BackboneTensor:
+    name: str
+    dtype: str  # output dtype (safetensors spelling)
+    shape: tuple[int, ...]
+    source: TensorInfo
+    scale: str | None = None  # FP8 source weights are dequantised with this scale
+
+    @property
+    def nbytes(self) -> int:
+        n = 2 if self.dtype == "BF16" else {"F32": 4, "I64": 8, "I32": 4}.get(self.dtype, 1)
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass
+class Plan:
+    architecture: Architecture
+    arch: dict
+    source_format: dict
+    experts: dict[tuple[int, int], dict[str, ProjectionSource]] = field(default_factory=dict)
+    backbone: list[BackboneTensor] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def hidden(self) -> int:
+        return self.arch["hidden_size"]
+
+    @property
+    def intermediate(self) -> int:
+        return self.arch["moe_intermediate_size"]
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i, k in enumerate(self.arch["layer_kinds"]) if k == "moe"]
+
+    def fp8_passthrough(self) -> bool:
+        """FP8 source experts in 128 x 128 blocks are copied bit for bit into an FP8 vault."""
+        return self.source_format["expert_dtype"] == FP8_DTYPE and self.source_format.get("fp8_block") == [128, 128]
+
+    def scale_dtype(self, quant: QuantType) -> ScaleDtype:
+        if quant is QuantType.Q4_G32:
+            return ScaleDtype.F16
+        if self.fp8_passthrough():
+            return SCALE_DTYPES[self.source_format["fp8_scale_dtype"]]
+        return ScaleDtype.F32
+
+    def record_bytes(self, quant: QuantType) -> int:
+        return record_layout(quant, self.scale_dtype(quant), self.hidden, self.intermediate).record_bytes
+
+    def vault_bytes(self, quant: QuantType, lineage_length: int = LINEAGE_ALLOWANCE) -> int:
+        header = plan_header(quant, self.scale_dtype(quant), self.arch["num_hidden_layers"],
+                             self.arch["num_experts"], self.hidden, self.intermediate, len(self.experts),
+                             len(encode_meta(self.arch)), lineage_length)
+        return header.file_size
+
+    @property
+    def backbone_bytes(self) -> int:
+        return sum(t.nbytes for t in self.backbone)
+
+    def peak_ram_bytes(self, workers: int) -> int:
+        """Bound on convert's resident memory; it does not grow with the number of layers or experts.
+
+        Per expert in flight (2 per worker): its source bytes, plus float32 working copies of one
+        projection (about 8 arrays of the projection's size while quantising), plus the record.
+        The backbone is copied in chunks of CHUNK_BYTES (source chunk, float32 and bf16 copies).
+        """
+        rows, cols = projection_shape("gate", self.hidden, self.intermediate)
+        n = rows * cols
+        source = 3 * n * self.source_format["expert_bytes_per_weight"]
+        per_expert = source + 8 * 4 * n + max(self.record_bytes(q) for q in QuantType)
+        return BASELINE_RAM + 2 * workers * per_expert + 4 * CHUNK_BYTES
+
+
+def _generation_config(ckpt: Checkpoint) -> dict | None:
+    path = ckpt.directory / "generation_config.json"
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except json.JSONDecodeError:
+        return None
+
+
+def make_plan(ckpt: Checkpoint) -> Plan:
+    """Map every tensor of the checkpoint; problems are collected, not raised (probe lists them all).
+
+    Raises:
+        UnsupportedModel: the model_type has no entry in the architecture table.
+    """
+    architecture = architecture_for(ckpt.config)
+    arch = architecture.arch_block(ckpt.config, _generation_config(ckpt))
+    qcfg = ckpt.config.get("quantization_config") or {}
+    plan = Plan(architecture, arch, {"files": len(ckpt.files), "quant_method": qcfg.get("quant_method")})
+    problems = plan.problems
+    if qcfg and qcfg.get("quant_method") != "fp8":
+        problems.append(f"quantization_config.quant_method {qcfg.get('quant_method')!r} is not supported "
+                        "(only block-FP8 'fp8' and unquantised checkpoints)")
+    if qcfg.get("quant_method") == "fp8" and qcfg.get("fmt", "e4m3") != "e4m3":
+        problems.append(f"FP8 format {qcfg.get('fmt')!r} is not supported (only e4m3)")
+    fp8_block = qcfg.get("weight_block_size") if qcfg.get("quant_method") == "fp8" else None
+
+    roles = {name: architecture.role(name) for name in ckpt.tensors}
+    moe = set(plan.moe_layers)
+    n_experts, hidden, inter = arch["num_experts"], plan.hidden, plan.intermediate
+    per_expert: dict[tuple[int, int], dict[str, ProjectionSource]] = {}
+    expert_dtypes, scale_dtypes, layouts = set(), set(), set()
+
+    def scale_of(name: str) -> str | None:
+        s = name + "_scale_inv"
+        return s if s in ckpt.tensors else None
+
+    for name, role in roles.items():
+        info = ckpt.tensors[name]
+        if role.kind == "scale":
+            weight = name[: -len("_scale_inv")]
+            if weight not in ckpt.tensors:
+                problems.append(f"{name}: scale without its weight")
+            if info.dtype not in SCALE_DTYPES:
+                problems.append(f"{name}: FP8 scale dtype {info.dtype} is not supported")
+            continue
+        if role.kind == "backbone":
+            continue
+        if role.layer not in moe:
+            problems.append(f"{name}: routed experts in layer {role.layer}, which the config says is "
+                            f"{'dense' if role.layer < arch['num_hidden_layers'] else 'not a layer'}")
+            continue
+        expert_dtypes.add(info.dtype)
+        if scale := scale_of(name):
+            scale_dtypes.add(ckpt.tensors[scale].dtype)
+        if role.kind == "expert":
+            layouts.add("per-expert")
+            want = projection_shape(role.projection, hidden, inter)
+            if info.shape != want:
+                problems.append(f"{name}: shape {list(info.shape)}, config gives {list(want)}")
+                continue
+            per_expert.setdefault((role.layer, role.expert), {})[role.projection] = ProjectionSource(name, (), scale)
+        else:
+            layouts.add("fused")
+            if info.dtype == FP8_DTYPE:
+                problems.append(f"{name}: fused FP8 expert tensors are not supported")
+                continue
+            fused_up = role.kind == "fused_gate_up"
+            want = (n_experts, 2 * inter, hidden) if fused_up else (n_experts, hidden, inter)
+            if info.shape != want:
+                problems.append(f"{name}: shape {list(info.shape)}, config gives {list(want)}")
+                continue
+            for e in range(n_experts):
+                slot = per_expert.setdefault((role.layer, e), {})
+                if fused_up:  # rows [0, I) are gate, [I, 2I) are up
+                    slot["gate"] = ProjectionSource(name, (e, slice(0, inter)))
+                    slot["up"] = ProjectionSource(name, (e, slice(inter, 2 * inter)))
+                else:
+                    slot["down"] = ProjectionSource(name, (e,))
+
+    for layer in sorted(moe):
+        for e in range(n_experts):
+            got = per_expert.get((layer, e), {})
+            missing = [p for p in PROJECTIONS if p not in got]
+            if missing:
+                problems.append(f"layer {layer} expert {e}: missing {', '.join(missing)} projection")
+    plan.experts = {k: per_expert[k] for k in sorted(per_expert) if len(per_expert[k]) == 3}
+
+    bad_dtypes = expert_dtypes - set(FLOAT_DTYPES) - {FP8_DTYPE}
+    if bad_dtypes:
+        problems.append(f"expert dtype {', '.join(sorted(bad_dtypes))} is not supported")
+    if len(expert_dtypes) > 1:
+        problems.append(f"experts mix dtypes {', '.join(sorted(expert_dtypes))}")
+    if len(scale_dtypes) > 1:
+        problems.append(f"FP8 scales mix dtypes {', '.join(sorted(scale_dtypes))}")
+    expert_dtype = next(iter(expert_dtypes), "BF16")
+    if expert_dtype == FP8_DTYPE and fp8_block is None:
+        problems.append("FP8 expert weights without a quantization_config.weight_block_size")
+    plan.source_format.update({
+        "expert_layout": "+".join(sorted(layouts)) or "none",
+        "expert_dtype": expert_dtype,
+        "expert_bytes_per_weight": {"F32": 4, FP8_DTYPE: 1}.get(expert_dtype, 2),
+        "fp8_block": fp8_block,
+        "fp8_scale_dtype": next(iter(scale_dtypes), None),
+    })
+
+    for name, role in roles.items():
+        if role.kind != "backbone":
+            continue
+        info = ckpt.tensors[name]
+        if info.dtype in FLOAT_DTYPES or info.dtype == FP8_DTYPE:
+            scale = scale_of(name) if info.dtype == FP8_DTYPE else None
+            if info.dtype == FP8_DTYPE and (scale is None or len(info.shape) != 2 or fp8_block is None):
+                problems.append(f"{name}: FP8 tensor without a usable block scale")
+                continue
+            plan.backbone.append(BackboneTensor(name, "BF16", info.shape, info, scale))
+        elif info.dtype in ("I64", "I32"):
+            plan.backbone.append(BackboneTensor(name, info.dtype, info.shape, info))
+        else:
+            problems.append(f"{name}: backbone dtype {info.dtype} is not supported")
+    plan.backbone.sort(key=lambda t: t.name)
+    if not moe:
+        problems.append("the config names no MoE layer: nothing to put in a vault")
+    return plan

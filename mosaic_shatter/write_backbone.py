@@ -1,0 +1,93 @@
+"""Stream the backbone into a safetensors file, one chunk at a time.
+
+The safetensors library writes only from tensors held in memory; a 235B backbone is 15 GB, so this
+writer lays out the (standard) safetensors header first and then fills each tensor's byte range in
+chunks, keeping resident memory bounded by plan.CHUNK_BYTES whatever the model size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import torch
+
+from mosaic_runtime.vault.quant import dequantize_fp8
+
+from .checkpoint import Checkpoint
+from .plan import CHUNK_BYTES, BackboneTensor
+from .write_vault import reserve
+
+_TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64,
+                 "I32": torch.int32}
+_FP8_BLOCK_ROWS = 128
+
+
+def _header(tensors: list[BackboneTensor], metadata: dict[str, str]) -> bytes:
+    meta: dict = {"__metadata__": metadata}
+    at = 0
+    for t in tensors:
+        meta[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [at, at + t.nbytes]}
+        at += t.nbytes
+    raw = json.dumps(meta, separators=(",", ":")).encode()
+    raw += b" " * (-(len(raw) + 8) % 8)  # safetensors pads the header with spaces to 8-byte alignment
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _row_chunks(rows: int, row_bytes: int, multiple: int = 1):
+    step = max(multiple, (CHUNK_BYTES // max(row_bytes, 1)) // multiple * multiple)
+    for r0 in range(0, rows, step):
+        yield r0, min(rows, r0 + step)
+
+
+def _write_tensor(ckpt: Checkpoint, t: BackboneTensor, fd: int, at: int) -> None:
+    src = t.source
+    if src.dtype == t.dtype:  # same dtype: copy the bytes, bit for bit, without holding them
+        with open(src.file, "rb") as f:
+            done = 0
+            while done < src.nbytes:
+                chunk = os.pread(f.fileno(), min(CHUNK_BYTES, src.nbytes - done), src.begin + done)
+                if not chunk:
+                    raise OSError(f"{src.file}: short read in {src.name}")
+                os.pwrite(fd, chunk, at + done)
+                done += len(chunk)
+        return
+    if not t.shape:  # a scalar: small, converted whole
+        os.pwrite(fd, ckpt.read(src.name).to(_TORCH_DTYPES[t.dtype]).reshape(1).view(torch.uint8).numpy().tobytes(), at)
+        return
+    rows = t.shape[0]
+    row_elems = src.numel // rows
+    out_dtype = _TORCH_DTYPES[t.dtype]
+    for r0, r1 in _row_chunks(rows, row_elems * 4, _FP8_BLOCK_ROWS if t.scale else 1):
+        values = ckpt.read_slice(src.name, slice(r0, r1))
+        if t.scale:  # block FP8 -> float with the scale rows covering rows [r0, r1)
+            scale = ckpt.read_slice(t.scale, slice(r0 // _FP8_BLOCK_ROWS, -(-r1 // _FP8_BLOCK_ROWS)))
+            values = dequantize_fp8(values, scale)
+        raw = values.to(out_dtype).contiguous().view(torch.uint8).numpy().tobytes()
+        os.pwrite(fd, raw, at + r0 * row_elems * out_dtype.itemsize)
+
+
+def write_backbone(ckpt: Checkpoint, tensors: list[BackboneTensor], path, metadata: dict[str, str],
+                   progress=None) -> int:
+    """Write every backbone tensor to `path`; returns the file size.
+
+    Raises:
+        DiskFull: the file's space could not be reserved up front.
+    """
+    header = _header(tensors, metadata)
+    total = len(header) + sum(t.nbytes for t in tensors)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        reserve(fd, total, path)
+        at = len(header)
+        for t in tensors:
+            _write_tensor(ckpt, t, fd, at)
+            at += t.nbytes
+            if progress is not None:
+                progress(t.source.nbytes)
+        os.pwrite(fd, header, 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return total

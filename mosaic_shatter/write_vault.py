@@ -1,0 +1,96 @@
+"""Write one vault file: space reserved first, records at their planned offsets, header last.
+
+The writer walks an explicit state: OPEN (space reserved, header all zero) -> records written in any
+order -> FINISHED (index, metadata and finally the header with its magic). A file whose writer did not
+reach FINISHED has no magic, so no reader opens it (vault_format.md §10).
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import os
+from dataclasses import replace
+
+from mosaic_runtime.vault.format import IndexEntry, VaultHeader, crc32, pack_index
+
+
+class DiskFull(OSError):
+    """Not enough free space for an output file; raised before any data is written."""
+
+
+def reserve(fd: int, size: int, path) -> None:
+    """Allocate the whole file now, so a full disk fails here and not midway through."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise DiskFull(errno.ENOSPC, f"not enough free space for {size:,} bytes", str(path)) from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.ftruncate(fd, size)  # a filesystem without fallocate: the size is set, space is not promised
+
+
+class State(enum.Enum):
+    OPEN = "open"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+class VaultWriter:
+    def __init__(self, path, header: VaultHeader, keys: list[tuple[int, int]]):
+        """Args:
+            path: the vault file to create.
+            header: the planned header (offsets and sizes; meta_crc32 is computed here).
+            keys: (layer, expert) of every record, in record order.
+        """
+        if len(keys) != header.num_records:
+            raise ValueError(f"{len(keys)} keys for {header.num_records} records")
+        self.path, self.header, self.keys = path, header, keys
+        self.crcs: list[int | None] = [None] * len(keys)
+        self.state = State.OPEN
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            reserve(self.fd, header.file_size, path)
+        except BaseException:
+            self.abort()
+            raise
+
+    def record_offset(self, i: int) -> int:
+        return self.header.data_offset + i * self.header.record_bytes
+
+    def write_record(self, i: int, record) -> None:
+        if self.state is not State.OPEN:
+            raise RuntimeError(f"writer is {self.state.value}")
+        if len(record) != self.header.record_bytes:
+            raise ValueError(f"record {i} has {len(record)} bytes, expected {self.header.record_bytes}")
+        os.pwrite(self.fd, record, self.record_offset(i))
+        self.crcs[i] = crc32(record)
+
+    def finish(self, arch: bytes, lineage: bytes) -> None:
+        """Write index and metadata, then the header, then fsync. Lengths must match the plan."""
+        h = self.header
+        if len(arch) != h.arch_length or len(lineage) != h.lineage_length:
+            raise ValueError("metadata lengths differ from the planned header")
+        missing = [self.keys[i] for i, c in enumerate(self.crcs) if c is None]
+        if missing:
+            raise RuntimeError(f"{len(missing)} records were never written, first {missing[0]}")
+        index = pack_index(IndexEntry(layer, expert, self.record_offset(i), h.record_bytes, self.crcs[i])
+                           for i, (layer, expert) in enumerate(self.keys))
+        # The metadata region runs from arch_offset to data_offset, zero padding included (§3).
+        meta = bytearray(h.data_offset - h.arch_offset)
+        for offset, blob in ((h.arch_offset, arch), (h.lineage_offset, lineage), (h.index_offset, index)):
+            start = offset - h.arch_offset
+            meta[start:start + len(blob)] = blob
+        os.pwrite(self.fd, meta, h.arch_offset)
+        final = replace(h, meta_crc32=crc32(meta))
+        os.fsync(self.fd)  # records and metadata are durable before the header makes them valid
+        os.pwrite(self.fd, final.pack(), 0)
+        os.fsync(self.fd)
+        os.close(self.fd)
+        self.state = State.FINISHED
+
+    def abort(self) -> None:
+        if self.state is State.OPEN:
+            os.close(self.fd)
+            self.state = State.FAILED

@@ -1,0 +1,42 @@
+// Record layout arithmetic, the C++ side of mosaic_runtime/vault/format.py::record_layout.
+#include "mosaic/vault_format.h"
+
+#include <stdexcept>
+
+namespace mosaic {
+
+uint32_t scale_itemsize(ScaleDtype d) { return d == ScaleDtype::F32 ? 4 : 2; }
+
+RecordLayout record_layout(QuantType quant, ScaleDtype scale_dtype, uint32_t hidden, uint32_t intermediate) {
+  if (quant == QuantType::Q4_G32 && scale_dtype != ScaleDtype::F16)
+    throw std::invalid_argument("Q4_G32 scales are f16");
+  RecordLayout layout{};
+  uint64_t at = 0;
+  for (Projection p : {Projection::Gate, Projection::Up, Projection::Down}) {
+    // gate/up are [I, H], down is [H, I], as nn.Linear stores them.
+    const uint64_t rows = p == Projection::Down ? hidden : intermediate;
+    const uint64_t cols = p == Projection::Down ? intermediate : hidden;
+    uint64_t code_rows, code_cols, scale_rows, scale_cols;
+    if (quant == QuantType::Q4_G32) {
+      const uint64_t blocks = (cols + kQ4Block - 1) / kQ4Block;
+      code_rows = rows, code_cols = blocks * kQ4BlockBytes, scale_rows = rows, scale_cols = blocks;
+    } else if (quant == QuantType::FP8_B128) {
+      code_rows = rows, code_cols = cols;
+      scale_rows = (rows + kFp8Block - 1) / kFp8Block, scale_cols = (cols + kFp8Block - 1) / kFp8Block;
+    } else {
+      throw std::invalid_argument("unknown quant type");
+    }
+    at = align_up(at, kPlaneAlign);
+    layout.planes.push_back({p, false, at, code_rows * code_cols, code_rows, code_cols});
+    at += code_rows * code_cols;
+    at = align_up(at, kPlaneAlign);
+    const uint64_t sbytes = scale_rows * scale_cols * scale_itemsize(scale_dtype);
+    layout.planes.push_back({p, true, at, sbytes, scale_rows, scale_cols});
+    at += sbytes;
+  }
+  layout.payload_bytes = at;
+  layout.record_bytes = align_up(at, kPageSize);
+  return layout;
+}
+
+}  // namespace mosaic
