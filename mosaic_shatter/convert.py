@@ -71,7 +71,8 @@ def _quant_params(plan: Plan, quant: QuantType) -> dict:
             "scale_dtype": plan.scale_dtype(quant).name.lower(), "passthrough": plan.fp8_passthrough()}
 
 
-def lineage_block(ckpt: Checkpoint, plan: Plan, quant: QuantType, hashes: dict[str, str], created: str) -> dict:
+def lineage_block(ckpt: Checkpoint, plan: Plan, quant: QuantType, hashes: dict[str, str], created: str,
+                  backbone: dict) -> dict:
     files = [*ckpt.files, ckpt.directory / "config.json", *ckpt.tokenizer_files()]
     return {
         "source": {"path": str(ckpt.directory.resolve()), "repo_id": ckpt.repo_id, "revision": ckpt.revision},
@@ -80,6 +81,7 @@ def lineage_block(ckpt: Checkpoint, plan: Plan, quant: QuantType, hashes: dict[s
         "source_format": {k: v for k, v in plan.source_format.items() if k != "expert_bytes_per_weight"},
         "converter": {"name": "mosaic-shatter", "version": __version__},
         "quant": _quant_params(plan, quant),
+        "backbone": backbone,
         "created": created,
     }
 
@@ -151,12 +153,13 @@ def convert(source: str, out: str | os.PathLike, quant: str, *, revision: str | 
         expert_source_bytes = 3 * plan.hidden * plan.intermediate * plan.source_format["expert_bytes_per_weight"]
         total = sum(t.source.nbytes for t in plan.backbone) + len(keys) * expert_source_bytes
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress)
-        backbone_bytes = write_backbone(ckpt, plan.backbone, tmp / BACKBONE_FILE,
-                                        {"format": "pt", "mosaic": "backbone"}, progress=bar.update)
+        backbone_bytes, backbone_sha = write_backbone(ckpt, plan.backbone, tmp / BACKBONE_FILE,
+                                                      {"format": "pt", "mosaic": "backbone"}, progress=bar.update)
+        backbone = {"file": BACKBONE_FILE, "bytes": backbone_bytes, "sha256": backbone_sha}
 
         created = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         arch = encode_meta(plan.arch)
-        pending = encode_meta(lineage_block(ckpt, plan, qtype, {}, created))
+        pending = encode_meta(lineage_block(ckpt, plan, qtype, {}, created, backbone))
         header = plan_header(qtype, plan.scale_dtype(qtype), plan.arch["num_hidden_layers"],
                              plan.arch["num_experts"], plan.hidden, plan.intermediate, len(keys), len(arch),
                              len(pending))
@@ -176,7 +179,7 @@ def convert(source: str, out: str | os.PathLike, quant: str, *, revision: str | 
                 writer.write_record(j, fut.result())
                 bar.update(expert_source_bytes)
             hashes = {name: fut.result() for name, fut in hash_futures.items()}
-            writer.finish(arch, encode_meta(lineage_block(ckpt, plan, qtype, hashes, created)))
+            writer.finish(arch, encode_meta(lineage_block(ckpt, plan, qtype, hashes, created, backbone)))
         except BaseException:
             writer.abort()
             raise

@@ -7,6 +7,7 @@ chunks, keeping resident memory bounded by plan.CHUNK_BYTES whatever the model s
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -41,7 +42,19 @@ def _row_chunks(rows: int, row_bytes: int, multiple: int = 1):
         yield r0, min(rows, r0 + step)
 
 
-def _write_tensor(ckpt: Checkpoint, t: BackboneTensor, fd: int, at: int) -> None:
+class _HashingWriter:
+    """Writes strictly in file order, so the SHA-256 of the finished file is known without a re-read."""
+
+    def __init__(self, fd: int, at: int):
+        self.fd, self.at, self.sha = fd, at, hashlib.sha256()
+
+    def write(self, data) -> None:
+        os.pwrite(self.fd, data, self.at)
+        self.sha.update(data)
+        self.at += len(data)
+
+
+def _write_tensor(ckpt: Checkpoint, t: BackboneTensor, out: _HashingWriter) -> None:
     src = t.source
     if src.dtype == t.dtype:  # same dtype: copy the bytes, bit for bit, without holding them
         with open(src.file, "rb") as f:
@@ -50,11 +63,11 @@ def _write_tensor(ckpt: Checkpoint, t: BackboneTensor, fd: int, at: int) -> None
                 chunk = os.pread(f.fileno(), min(CHUNK_BYTES, src.nbytes - done), src.begin + done)
                 if not chunk:
                     raise OSError(f"{src.file}: short read in {src.name}")
-                os.pwrite(fd, chunk, at + done)
+                out.write(chunk)
                 done += len(chunk)
         return
     if not t.shape:  # a scalar: small, converted whole
-        os.pwrite(fd, ckpt.read(src.name).to(_TORCH_DTYPES[t.dtype]).reshape(1).view(torch.uint8).numpy().tobytes(), at)
+        out.write(ckpt.read(src.name).to(_TORCH_DTYPES[t.dtype]).reshape(1).view(torch.uint8).numpy().tobytes())
         return
     rows = t.shape[0]
     row_elems = src.numel // rows
@@ -64,13 +77,12 @@ def _write_tensor(ckpt: Checkpoint, t: BackboneTensor, fd: int, at: int) -> None
         if t.scale:  # block FP8 -> float with the scale rows covering rows [r0, r1)
             scale = ckpt.read_slice(t.scale, slice(r0 // _FP8_BLOCK_ROWS, -(-r1 // _FP8_BLOCK_ROWS)))
             values = dequantize_fp8(values, scale)
-        raw = values.to(out_dtype).contiguous().view(torch.uint8).numpy().tobytes()
-        os.pwrite(fd, raw, at + r0 * row_elems * out_dtype.itemsize)
+        out.write(values.to(out_dtype).contiguous().view(torch.uint8).numpy().tobytes())
 
 
 def write_backbone(ckpt: Checkpoint, tensors: list[BackboneTensor], path, metadata: dict[str, str],
-                   progress=None) -> int:
-    """Write every backbone tensor to `path`; returns the file size.
+                   progress=None) -> tuple[int, str]:
+    """Write every backbone tensor to `path`; returns (file size, SHA-256 of the file).
 
     Raises:
         DiskFull: the file's space could not be reserved up front.
@@ -80,14 +92,15 @@ def write_backbone(ckpt: Checkpoint, tensors: list[BackboneTensor], path, metada
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         reserve(fd, total, path)
-        at = len(header)
+        out = _HashingWriter(fd, 0)
+        out.write(header)
         for t in tensors:
-            _write_tensor(ckpt, t, fd, at)
-            at += t.nbytes
+            _write_tensor(ckpt, t, out)
             if progress is not None:
                 progress(t.source.nbytes)
-        os.pwrite(fd, header, 0)
+        if out.at != total:
+            raise RuntimeError(f"backbone: wrote {out.at} bytes, planned {total}")
         os.fsync(fd)
     finally:
         os.close(fd)
-    return total
+    return total, out.sha.hexdigest()

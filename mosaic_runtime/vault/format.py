@@ -32,6 +32,7 @@ FP8_E4M3_MAX = 448.0  # largest finite E4M3FN value
 MAX_LAYERS = 4096
 MAX_EXPERTS = 65536
 MAX_DIM = 1 << 20  # hidden or intermediate size
+MAX_RECORDS = 1 << 20  # DeepSeek-V3 has 14,848; the index stays under 32 MiB
 MAX_META_BYTES = 16 << 20  # arch block and lineage block, each
 MAX_RECORD_BYTES = 1 << 32
 
@@ -271,8 +272,8 @@ class VaultHeader:
             bad("hidden_size", hidden, 36, f"must be in 1..{MAX_DIM}")
         if not 1 <= inter <= MAX_DIM:
             bad("moe_intermediate_size", inter, 40, f"must be in 1..{MAX_DIM}")
-        if not 1 <= n_records <= n_layers * n_experts:
-            bad("num_records", n_records, 44, f"must be in 1..num_layers*num_experts = {n_layers * n_experts}")
+        if not 1 <= n_records <= min(n_layers * n_experts, MAX_RECORDS):
+            bad("num_records", n_records, 44, f"must be in 1..min(num_layers * num_experts, {MAX_RECORDS})")
         layout = record_layout(QuantType(quant), ScaleDtype(sdt), hidden, inter)
         if record_bytes != layout.record_bytes:
             bad("record_bytes", record_bytes, 48, f"geometry gives {layout.record_bytes}")

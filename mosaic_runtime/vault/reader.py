@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -115,13 +116,33 @@ class Vault:
                              f"backbone data ends at {8 + n + end}, file is {size} bytes", path=where)
         return meta
 
+    def _check_copy(self, name: str, want: dict) -> VaultError | None:
+        """A file of the model directory against the size and SHA-256 the lineage block records."""
+        path = self.directory / name
+        if not path.is_file():
+            return VaultError(Reason.MISSING_FILE, f"{name} is listed in the lineage block but missing", path=str(path))
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(8 << 20):
+                h.update(chunk)
+        if path.stat().st_size != want.get("bytes") or h.hexdigest() != want.get("sha256"):
+            return VaultError(Reason.BAD_CHECKSUM, f"{name} differs from the size or SHA-256 in the lineage block",
+                              path=str(path))
+        return None
+
     def verify(self, progress=None) -> list[VaultError]:
-        """Re-read every record and check its CRC-32 and the backbone's extent; return what is wrong."""
+        """Re-read every record, the backbone and the copied config/tokenizer files; return what is wrong."""
         problems = []
         try:
             self.backbone_header()
         except VaultError as e:
             problems.append(e)
+        # The backbone, and the config/tokenizer files copied verbatim from the source (weights are not copied).
+        copies = [(BACKBONE_FILE, self.lineage.get("backbone", {}))]
+        copies += [(f["name"], f) for f in self.lineage.get("files", []) if not f["name"].endswith(".safetensors")]
+        for name, want in copies:
+            if problem := self._check_copy(name, want):
+                problems.append(problem)
         for (layer, expert) in self.entries:
             try:
                 self.read_record(layer, expert)

@@ -1,0 +1,143 @@
+"""Checkpoints built at test time: tiny real ones with transformers, block-FP8 re-encodings of them, and
+real-scale "skeletons" (real safetensors headers and tensor names, sparse holes for data)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from mosaic_runtime.vault.quant import quantize_fp8
+
+CONFIGS = Path(__file__).parent / "data" / "configs"
+
+TINY = dict(vocab_size=320, hidden_size=72, intermediate_size=112, moe_intermediate_size=40, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=6, num_experts_per_tok=2,
+            max_position_embeddings=256, norm_topk_prob=True, bos_token_id=1, eos_token_id=2)
+
+
+def tiny_qwen3_moe(path: Path, *, fused: bool = False, dtype: torch.dtype = torch.float32, seed: int = 0,
+                   **overrides) -> Path:
+    """A randomly initialised Qwen3-MoE saved by transformers (per-expert, or fused 3-D experts)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model("qwen3_moe", **{**TINY, **overrides})
+    model = AutoModelForCausalLM.from_config(cfg).to(dtype)
+    model.save_pretrained(path, save_original_format=not fused)
+    return Path(path)
+
+
+def _fp8_target(name: str) -> bool:
+    return name.endswith("_proj.weight") and ".mlp.gate." not in name
+
+
+def to_block_fp8(src: Path, dst: Path, scale_dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Re-encode a checkpoint as Qwen's block-FP8 release does: attention and expert Linears in E4M3 with
+    `weight_scale_inv` [ceil(out/128), ceil(in/128)]; router, norms, embeddings and lm_head unchanged."""
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(src / "model.safetensors")
+    out = {}
+    for name, t in tensors.items():
+        if _fp8_target(name):
+            codes, scales = quantize_fp8(t.float())
+            out[name] = codes.view(torch.float8_e4m3fn)
+            out[name + "_scale_inv"] = scales.to(scale_dtype)
+        else:
+            out[name] = t.to(torch.bfloat16)
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128]}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+# --- skeletons ----------------------------------------------------------------------------------
+def qwen3_moe_tensors(cfg: dict, fp8: bool) -> list[tuple[str, str, list[int]]]:
+    """(name, dtype, shape) of every tensor of a Qwen3-MoE checkpoint, as TENSORS.md lists them."""
+    h, inter, n_exp = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg.get("num_experts", 0)
+    heads, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    out = [("model.embed_tokens.weight", "BF16", [cfg["vocab_size"], h]), ("model.norm.weight", "BF16", [h])]
+    if not cfg.get("tie_word_embeddings"):
+        out.append(("lm_head.weight", "BF16", [cfg["vocab_size"], h]))
+
+    def linear(name, rows, cols):
+        if not fp8:
+            return [(name, "BF16", [rows, cols])]
+        return [(name, "F8_E4M3", [rows, cols]), (name + "_scale_inv", "BF16", [-(-rows // 128), -(-cols // 128)])]
+
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out += linear(p + "self_attn.q_proj.weight", heads * hd, h)
+        out += linear(p + "self_attn.k_proj.weight", kv * hd, h)
+        out += linear(p + "self_attn.v_proj.weight", kv * hd, h)
+        out += linear(p + "self_attn.o_proj.weight", h, heads * hd)
+        out += [(p + "self_attn.q_norm.weight", "BF16", [hd]), (p + "self_attn.k_norm.weight", "BF16", [hd]),
+                (p + "input_layernorm.weight", "BF16", [h]), (p + "post_attention_layernorm.weight", "BF16", [h]),
+                (p + "mlp.gate.weight", "BF16", [n_exp, h])]
+        for e in range(n_exp):
+            q = f"{p}mlp.experts.{e}."
+            out += linear(q + "gate_proj.weight", inter, h)
+            out += linear(q + "up_proj.weight", inter, h)
+            out += linear(q + "down_proj.weight", h, inter)
+    return out
+
+
+_BYTES = {"BF16": 2, "F8_E4M3": 1, "F32": 4}
+
+
+def write_sparse_safetensors(path: Path, tensors: list[tuple[str, str, list[int]]]) -> None:
+    """A real safetensors header followed by a hole as large as the data would be."""
+    meta, at = {"__metadata__": {"format": "pt"}}, 0
+    for name, dtype, shape in tensors:
+        n = _BYTES[dtype]
+        for s in shape:
+            n *= s
+        meta[name] = {"dtype": dtype, "shape": shape, "data_offsets": [at, at + n]}
+        at += n
+    header = json.dumps(meta, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.truncate(8 + len(header) + at)
+
+
+def skeleton(config_name: str, out: Path, *, shard_bytes: int = 5 << 30) -> Path:
+    """A sharded real-scale checkpoint from one of tests/data/configs, with its index file."""
+    cfg = json.loads((CONFIGS / config_name).read_text())
+    cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    fp8 = (cfg.get("quantization_config") or {}).get("quant_method") == "fp8"
+    out.mkdir(parents=True, exist_ok=True)
+    shards, current, size = [], [], 0
+    for t in qwen3_moe_tensors(cfg, fp8):
+        n = _BYTES[t[1]]
+        for s in t[2]:
+            n *= s
+        if current and size + n > shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(t)
+        size += n
+    shards.append(current)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        write_sparse_safetensors(out / name, shard)
+        weight_map.update({t[0]: name for t in shard})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+

@@ -1,0 +1,114 @@
+"""Quantise/dequantise references: error bounds on odd shapes, against independent scalar references."""
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mosaic_runtime.vault.format import FP8_BLOCK, Q4_BLOCK
+from mosaic_runtime.vault.quant import dequantize_fp8, dequantize_q4, quantize_fp8, quantize_q4
+
+shapes = st.tuples(st.integers(1, 300), st.integers(1, 300))
+
+
+def weights(rows, cols, seed, heavy):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g) * 0.02
+    if heavy:  # a few large outliers, as real checkpoints have
+        w = w * torch.where(torch.rand(rows, cols, generator=g) < 0.01, 30.0, 1.0)
+    return w
+
+
+def q4_0_block_error(w: np.ndarray) -> np.ndarray:
+    """llama.cpp Q4_0, written out element by element: squared error per 32-weight block."""
+    rows, cols = w.shape
+    nb = -(-cols // Q4_BLOCK)
+    err = np.zeros((rows, nb))
+    for r in range(rows):
+        for b in range(nb):
+            blk = np.zeros(Q4_BLOCK, np.float32)
+            part = w[r, b * Q4_BLOCK:(b + 1) * Q4_BLOCK]
+            blk[:len(part)] = part
+            m = blk[np.argmax(np.abs(blk))]
+            d = np.float32(np.float16(m / -8.0))
+            inv = 1.0 / d if d else 0.0
+            q = np.clip(np.floor(blk * inv + 8.5), 0, 15)
+            err[r, b] = np.sum(((q - 8) * d - blk) ** 2)
+    return err
+
+
+@settings(max_examples=25, deadline=None)
+@given(shapes, st.integers(0, 2**16), st.booleans())
+def test_q4_never_worse_than_q4_0_on_any_block(shape, seed, heavy):
+    w = weights(*shape, seed, heavy)
+    codes, scales = quantize_q4(w)
+    rows, cols = shape
+    nb = -(-cols // Q4_BLOCK)
+    assert codes.shape == (rows, nb * 16) and codes.dtype == torch.uint8
+    assert scales.shape == (rows, nb) and scales.dtype == torch.float16
+    deq = dequantize_q4(codes, scales, cols)
+    assert deq.shape == w.shape
+    padded = torch.zeros(rows, nb * Q4_BLOCK)
+    padded[:, :cols] = deq - w
+    ours = (padded.view(rows, nb, Q4_BLOCK).double() ** 2).sum(-1).numpy()
+    ref = q4_0_block_error(w.numpy())
+    # Q4_0 rounds half up, the encoder rounds half to even: allow float noise, never a real loss.
+    assert np.all(ours <= ref * (1 + 1e-5) + 1e-12)
+
+
+def test_q4_partial_block_is_padded_with_zero_codes():
+    w = torch.randn(3, 37)
+    codes, scales = quantize_q4(w)
+    tail = codes.view(3, 2, 16)[:, 1]  # block 1 holds elements 32..63; 37..63 are padding
+    low, high = tail & 0x0F, tail >> 4
+    assert torch.all(low[:, 5:] == 8) and torch.all(high == 8)
+
+
+def test_q4_nibble_order_matches_the_spec():
+    # Element 32b+j is the low nibble of byte j, element 32b+j+16 the high nibble (vault_format.md §4.1).
+    w = torch.zeros(1, 32)
+    w[0, 0], w[0, 16] = -8.0, 7.0  # with d = 1: codes 0 and 15
+    codes, scales = quantize_q4(w)
+    assert scales[0, 0].item() == 1.0
+    assert codes[0, 0].item() == (0 | 15 << 4)
+
+
+@settings(max_examples=25, deadline=None)
+@given(shapes, st.integers(0, 2**16), st.booleans())
+def test_fp8_error_bound(shape, seed, heavy):
+    w = weights(*shape, seed, heavy)
+    codes, scales = quantize_fp8(w)
+    rows, cols = shape
+    assert codes.shape == (rows, cols) and scales.shape == (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
+    deq = dequantize_fp8(codes, scales)
+    s = scales.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[:rows, :cols]
+    # E4M3: 3 mantissa bits, so half an ulp is 2^-4 relative for normals; subnormal steps are s * 2^-9.
+    bound = w.abs() * 2.0 ** -4 + s * 2.0 ** -10
+    assert torch.all((deq - w).abs() <= bound * 1.0001)
+
+
+def test_fp8_block_extreme_is_exact():
+    w = torch.randn(130, 260)
+    codes, scales = quantize_fp8(w)
+    deq = dequantize_fp8(codes, scales)
+    i = w[:128, :128].abs().argmax()
+    r, c = divmod(i.item(), 128)
+    assert torch.isclose(deq[r, c], w[r, c], rtol=1e-6)
+
+
+def test_quantisers_are_deterministic():
+    w = torch.randn(64, 96)
+    assert all(torch.equal(a, b) for a, b in zip(quantize_q4(w), quantize_q4(w.clone())))
+    assert all(torch.equal(a, b) for a, b in zip(quantize_fp8(w), quantize_fp8(w.clone())))
+
+
+def test_non_finite_weights_are_refused():
+    w = torch.ones(4, 32)
+    w[1, 3] = float("nan")
+    for quantize in (quantize_q4, quantize_fp8):
+        try:
+            quantize(w)
+        except ValueError as e:
+            assert "nan" in str(e)
+        else:
+            raise AssertionError("nan accepted")
