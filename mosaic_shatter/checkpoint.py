@@ -1,7 +1,7 @@
 """A Hugging Face checkpoint directory (or a repo id in the local Hub cache): config and tensors.
 
 Listing reads only safetensors headers, never weights, so `probe` answers in seconds at any scale.
-Tensors are read lazily, one at a time or one slice at a time, through the safetensors library.
+Tensors are read lazily, one at a time or one contiguous slice at a time, with pread.
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ import torch
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
                "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+                "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
                    "added_tokens.json")
@@ -119,7 +122,6 @@ class Checkpoint:
                 if name in self.tensors:
                     raise CheckpointError(f"{name} appears in both {self.tensors[name].file.name} and {f.name}")
                 self.tensors[name] = info
-        self._handles: dict[Path, object] = {}
 
     def _weight_files(self) -> list[Path]:
         d = self.directory
@@ -146,17 +148,50 @@ class Checkpoint:
     def tokenizer_files(self) -> list[Path]:
         return [self.directory / n for n in TOKENIZER_FILES if (self.directory / n).is_file()]
 
-    def _handle(self, path: Path):
-        if path not in self._handles:
-            from safetensors import safe_open
-            self._handles[path] = safe_open(str(path), framework="pt")
-        return self._handles[path]
+    def read(self, name: str, index: tuple = ()) -> torch.Tensor:
+        """A tensor, or a contiguous part of it, read with pread into fresh memory.
 
-    def read(self, name: str) -> torch.Tensor:
-        info = self.tensors[name]
-        return self._handle(info.file).get_tensor(name)
+        Args:
+            index: leading-dimension selection, integers optionally followed by one step-1 slice,
+                e.g. (3,) for expert 3 of a fused [E, ...] tensor, (3, slice(0, I)) for its first I
+                rows, (slice(r0, r1),) for a chunk of rows. Every such selection is one byte range.
 
-    def read_slice(self, name: str, index) -> torch.Tensor:
-        """One slice of a tensor, e.g. index=(3,) for expert 3 of a fused [E, ...] tensor."""
+        pread rather than mmap: pages of a mapped shard count towards the process's resident set
+        until the whole shard is unmapped, so converting through mmap grows with the shard size.
+        """
         info = self.tensors[name]
-        return self._handle(info.file).get_slice(name)[index]
+        shape, at = list(info.shape), info.begin
+        itemsize = DTYPE_BYTES[info.dtype]
+        stride = itemsize
+        for s in shape:
+            stride *= s
+        for i in index:
+            stride //= shape[0]
+            if isinstance(i, slice):
+                start, stop, step = i.indices(shape[0])
+                if step != 1 or index[-1] is not i:
+                    raise ValueError(f"{name}: only a trailing step-1 slice is supported, got {index}")
+                at += start * stride
+                shape = [max(0, stop - start), *shape[1:]]
+                break
+            if not 0 <= i < shape[0]:
+                raise IndexError(f"{name}: index {i} out of range for {info.shape}")
+            at += i * stride
+            shape = shape[1:]
+        nbytes = itemsize
+        for s in shape:
+            nbytes *= s
+        buf = bytearray(nbytes)
+        view, done = memoryview(buf), 0
+        fd = os.open(info.file, os.O_RDONLY)
+        try:
+            while done < nbytes:  # one preadv moves at most ~2 GiB
+                got = os.preadv(fd, [view[done:]], at + done)
+                if got <= 0:
+                    raise CheckpointError(f"{info.file}: short read of {name} ({done} of {nbytes} bytes at {at})")
+                done += got
+        finally:
+            os.close(fd)
+        if nbytes == 0:
+            return torch.empty(shape, dtype=TORCH_DTYPES[info.dtype])
+        return torch.frombuffer(buf, dtype=TORCH_DTYPES[info.dtype]).reshape(shape)

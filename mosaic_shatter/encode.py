@@ -12,12 +12,6 @@ from .checkpoint import Checkpoint
 from .plan import ProjectionSource
 
 
-def _load(ckpt: Checkpoint, src: ProjectionSource) -> torch.Tensor:
-    if not src.index:
-        return ckpt.read(src.tensor)
-    return ckpt.read_slice(src.tensor, src.index)
-
-
 def encode_expert(ckpt: Checkpoint, sources: dict[str, ProjectionSource], layout: RecordLayout,
                   passthrough: bool) -> bytearray:
     """The record bytes of one expert.
@@ -29,7 +23,7 @@ def encode_expert(ckpt: Checkpoint, sources: dict[str, ProjectionSource], layout
     planes = {}
     for proj in PROJECTIONS:
         src = sources[proj]
-        weight = _load(ckpt, src)  # [rows, cols] as nn.Linear stores it
+        weight = ckpt.read(src.tensor, src.index)  # [rows, cols] as nn.Linear stores it
         if passthrough:
             planes[proj] = (weight.view(torch.uint8).contiguous(), ckpt.read(src.scale).contiguous())
             continue

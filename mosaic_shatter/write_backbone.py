@@ -73,9 +73,9 @@ def _write_tensor(ckpt: Checkpoint, t: BackboneTensor, out: _HashingWriter) -> N
     row_elems = src.numel // rows
     out_dtype = _TORCH_DTYPES[t.dtype]
     for r0, r1 in _row_chunks(rows, row_elems * 4, _FP8_BLOCK_ROWS if t.scale else 1):
-        values = ckpt.read_slice(src.name, slice(r0, r1))
+        values = ckpt.read(src.name, (slice(r0, r1),))
         if t.scale:  # block FP8 -> float with the scale rows covering rows [r0, r1)
-            scale = ckpt.read_slice(t.scale, slice(r0 // _FP8_BLOCK_ROWS, -(-r1 // _FP8_BLOCK_ROWS)))
+            scale = ckpt.read(t.scale, (slice(r0 // _FP8_BLOCK_ROWS, -(-r1 // _FP8_BLOCK_ROWS)),))
             values = dequantize_fp8(values, scale)
         out.write(values.to(out_dtype).contiguous().view(torch.uint8).numpy().tobytes())
 

@@ -21,13 +21,19 @@ def scale_dtype_of(dtype: torch.dtype) -> ScaleDtype:
 
 
 # --- Q4_G32 -------------------------------------------------------------------------------------
-def _q4_codes(blocks: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Signed codes in [-8, 7] for blocks [R, nb, 32] under f16 scales d [R, nb, 1], and the squared error."""
+def _q4_codes(blocks: torch.Tensor, d: torch.Tensor):
+    """Codes in [-8, 7] of blocks [R, nb, 32] under f16 scales d [R, nb, 1].
+
+    Returns (q, err, qw, qq): err is the block's squared error less sum(w^2) (the same for every d, so
+    it drops out of comparisons), from sum(q w) and sum(q q), in float64 so near-ties compare exactly.
+    """
     d32 = d.float()
     inv = torch.where(d32 != 0, 1.0 / d32, torch.zeros_like(d32))
-    q = torch.round(blocks * inv).clamp_(-8, 7)
-    err = ((q * d32 - blocks) ** 2).sum(-1, keepdim=True)
-    return q, err
+    q = torch.mul(blocks, inv).round_().clamp_(-8, 7)
+    qw = torch.einsum("rbk,rbk->rb", q, blocks).unsqueeze(-1).double()
+    qq = torch.einsum("rbk,rbk->rb", q, q).unsqueeze(-1).double()
+    d64 = d32.double()
+    return q, d64 * d64 * qq - 2 * d64 * qw, qw, qq
 
 
 def quantize_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,16 +50,20 @@ def quantize_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     rows, cols = w.shape
     nb = -(-cols // Q4_BLOCK)
-    blocks = torch.zeros(rows, nb * Q4_BLOCK, dtype=torch.float32)
-    blocks[:, :cols] = w.float()
-    blocks = blocks.view(rows, nb, Q4_BLOCK)  # [R, nb, 32]
-    if not torch.isfinite(blocks).all():
+    if cols == nb * Q4_BLOCK:
+        blocks = w.float().reshape(rows, nb, Q4_BLOCK)  # [R, nb, 32]
+    else:
+        blocks = torch.zeros(rows, nb * Q4_BLOCK, dtype=torch.float32)
+        blocks[:, :cols] = w.float()
+        blocks = blocks.view(rows, nb, Q4_BLOCK)
+    hi, lo = blocks.amax(-1, keepdim=True), blocks.amin(-1, keepdim=True)  # [R, nb, 1]
+    extreme = torch.where(-lo > hi, lo, hi)  # the signed weight of largest magnitude
+    if not torch.isfinite(extreme).all():  # amax/amin propagate nan, so this sees every weight
         raise ValueError("weights contain inf or nan")
-    extreme = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))  # [R, nb, 1], signed
     d0 = (extreme / -8.0).to(torch.float16)
-    q0, e0 = _q4_codes(blocks, d0)
-    d1 = ((q0 * blocks).sum(-1, keepdim=True) / (q0 * q0).sum(-1, keepdim=True).clamp_min(1.0)).to(torch.float16)
-    q1, e1 = _q4_codes(blocks, d1)
+    q0, e0, qw, qq = _q4_codes(blocks, d0)
+    d1 = (qw / qq.clamp_min(1.0)).to(torch.float16)
+    q1, e1, _, _ = _q4_codes(blocks, d1)
     better = e1 < e0
     d = torch.where(better, d1, d0)
     if not torch.isfinite(d).all():
@@ -73,32 +83,43 @@ def dequantize_q4(codes: torch.Tensor, scales: torch.Tensor, cols: int) -> torch
 
 
 # --- FP8_B128 -----------------------------------------------------------------------------------
-def _expand_blocks(scales: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """[ceil(R/128), ceil(C/128)] block scales -> float32 [R, C], one value per weight."""
-    return scales.float().repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[:rows, :cols]
+def _tiles(m: torch.Tensor) -> torch.Tensor:
+    """[R, C] -> zero-padded float32 tiles [ceil(R/128), 128, ceil(C/128), 128]."""
+    rows, cols = m.shape
+    rb, cb = -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
+    if (rows, cols) == (rb * FP8_BLOCK, cb * FP8_BLOCK):
+        padded = m.float()
+    else:
+        padded = torch.zeros(rb * FP8_BLOCK, cb * FP8_BLOCK, dtype=torch.float32)
+        padded[:rows, :cols] = m.float()
+    return padded.view(rb, FP8_BLOCK, cb, FP8_BLOCK)
+
+
+def _untile(tiles: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    rb, _, cb, _ = tiles.shape
+    return tiles.reshape(rb * FP8_BLOCK, cb * FP8_BLOCK)[:rows, :cols]
 
 
 def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8_B128: w ~= e4m3(q) * s, s = amax(block) / 448 in f32 (1.0 for an all-zero block).
+    """FP8_B128: w ~= e4m3(q) * s, s = amax(tile) / 448 in f32 (1.0 for an all-zero tile).
 
     Returns:
-        codes: uint8 [R, C], the E4M3FN bit patterns.
+        codes: uint8 [R, C], the E4M3FN bit patterns (round to nearest even).
         scales: float32 [ceil(R/128), ceil(C/128)].
     """
     rows, cols = w.shape
-    rb, cb = -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
-    padded = torch.zeros(rb * FP8_BLOCK, cb * FP8_BLOCK, dtype=torch.float32)
-    padded[:rows, :cols] = w.float()
-    if not torch.isfinite(padded).all():
+    tiles = _tiles(w)  # [rb, 128, cb, 128]
+    if not torch.isfinite(tiles).all():
         raise ValueError("weights contain inf or nan")
-    amax = padded.view(rb, FP8_BLOCK, cb, FP8_BLOCK).abs().amax(dim=(1, 3))  # [rb, cb]
+    amax = tiles.abs().amax(dim=(1, 3))  # [rb, cb]
     scales = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
-    q = (w.float() / _expand_blocks(scales, rows, cols)).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-    return q.to(torch.float8_e4m3fn).view(torch.uint8).contiguous(), scales.contiguous()
+    q = (tiles / scales[:, None, :, None]).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    codes = _untile(q, rows, cols).to(torch.float8_e4m3fn).view(torch.uint8)
+    return codes.contiguous(), scales.contiguous()
 
 
 def dequantize_fp8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """float32 [R, C] from E4M3FN codes (uint8 or float8) and block scales of any float dtype."""
+    """float32 [R, C] from E4M3FN codes (uint8 or float8) and tile scales of any float dtype."""
     rows, cols = codes.shape
-    values = codes.view(torch.float8_e4m3fn).float()
-    return values * _expand_blocks(scales, rows, cols)
+    tiles = _tiles(codes.view(torch.float8_e4m3fn).float())
+    return _untile(tiles * scales.float()[:, None, :, None], rows, cols).contiguous()

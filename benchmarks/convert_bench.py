@@ -1,0 +1,146 @@
+"""Convert throughput next to this disk's raw read and write speed, measured in the same run, and peak RSS.
+
+    python benchmarks/convert_bench.py [--layers 2] [--data bench-data]
+
+Builds (once) a bf16 checkpoint with Qwen3-30B-A3B's per-layer geometry (hidden 2048, 128 experts of
+768, vocab 8192) and `--layers` MoE layers, about 1.3 GB a layer, in 1 GiB shards. Then, with the page
+cache dropped before each step (needs root; otherwise the figures are warm and say so):
+raw O_DIRECT read of the shards, raw O_DIRECT write of as many bytes, and `convert --quant q4|fp8`,
+each in a fresh process whose peak RSS is reported beside probe's bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+CHUNK = 4 << 20  # 4 MiB direct reads: FACTS.md §3 puts this disk at 2-3 GiB/s with them
+GEOMETRY = dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=8192,
+                intermediate_size=6144)
+
+
+def build_checkpoint(path: Path, layers: int) -> Path:
+    if (path / "config.json").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(ROOT / "tests"))
+    from builders import qwen3_moe_tensors
+    cfg = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": layers,
+           "rms_norm_eps": 1e-6, "rope_theta": 1e6, "norm_topk_prob": True, "tie_word_embeddings": False,
+           "torch_dtype": "bfloat16", "max_position_embeddings": 4096, **GEOMETRY}
+    g = torch.Generator().manual_seed(0)
+    shard, size, n, weight_map = {}, 0, 0, {}
+
+    def flush():
+        nonlocal shard, size, n
+        name = f"model-{n + 1:05d}.safetensors"
+        save_file(shard, path / name, metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+        shard, size, n = {}, 0, n + 1
+
+    for name, _, shape in qwen3_moe_tensors(cfg, fp8=False):
+        t = (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16) if len(shape) > 1 else \
+            torch.ones(*shape, dtype=torch.bfloat16)
+        shard[name] = t
+        size += t.numel() * 2
+        if size >= 1 << 30:
+            flush()
+    if shard:
+        flush()
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def raw_read(files: list[Path]) -> tuple[int, float]:
+    buf = mmap.mmap(-1, CHUNK)  # page aligned, as O_DIRECT wants
+    total, t = 0, time.perf_counter()
+    for f in files:
+        fd = os.open(f, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        try:
+            while (n := os.readv(fd, [buf])) > 0:
+                total += n
+        finally:
+            os.close(fd)
+    return total, time.perf_counter() - t
+
+
+def raw_write(path: Path, nbytes: int) -> float:
+    buf = mmap.mmap(-1, CHUNK)
+    buf.write(os.urandom(CHUNK))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
+    t = time.perf_counter()
+    try:
+        for _ in range(nbytes // CHUNK):
+            os.writev(fd, [buf])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    dt = time.perf_counter() - t
+    path.unlink()
+    return dt
+
+
+CONVERT = """
+import resource, sys, time
+from mosaic_shatter.convert import convert
+t = time.perf_counter()
+convert(sys.argv[1], sys.argv[2], sys.argv[3], progress=False, force=True)
+print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--data", type=Path, default=ROOT / "bench-data")
+    args = ap.parse_args()
+    ckpt = build_checkpoint(args.data / f"qwen3-30b-geometry-{args.layers}l", args.layers)
+    files = sorted(ckpt.glob("*.safetensors"))
+    source_bytes = sum(f.stat().st_size for f in files)
+
+    from mosaic_shatter.checkpoint import Checkpoint
+    from mosaic_shatter.plan import make_plan
+    bound = make_plan(Checkpoint(str(ckpt))).peak_ram_bytes(2)
+
+    cold = drop_caches()
+    n, dt = raw_read(files)
+    read_gbs = n / dt / 1e9
+    write_gbs = source_bytes / raw_write(args.data / "write-test.bin", source_bytes) / 1e9
+    print(f"source: {source_bytes / 1e9:.2f} GB in {len(files)} shards; page cache {'dropped' if cold else 'WARM'}")
+    print(f"raw O_DIRECT read {read_gbs:.2f} GB/s, raw O_DIRECT write {write_gbs:.2f} GB/s (4 MiB requests)")
+    print("| quant | seconds | source GB/s | vs raw read | peak RSS | probe's bound |")
+    print("|---|---|---|---|---|---|")
+    for quant in ("q4", "fp8"):
+        drop_caches()
+        out = subprocess.run([sys.executable, "-c", CONVERT, str(ckpt), str(args.data / f"out-{quant}"), quant],
+                             capture_output=True, text=True, check=True).stdout.split()
+        seconds, rss = float(out[0]), int(out[1])
+        gbs = source_bytes / seconds / 1e9
+        print(f"| {quant} | {seconds:.1f} | {gbs:.2f} | {gbs / read_gbs:.2f} | {rss / 2**30:.2f} GiB "
+              f"| {bound / 2**30:.2f} GiB |")
+
+
+if __name__ == "__main__":
+    main()
