@@ -113,8 +113,9 @@ def test_fp8_source_to_q4(fp8_dirs, tmp_path):
     assert ((got - want).norm() / want.norm()) < 0.12
 
 
-def test_tied_embeddings_and_bf16_source(tmp_path):
-    ckpt = tiny_qwen3_moe(tmp_path / "tied", dtype=torch.bfloat16, tie_word_embeddings=True, num_experts=3,
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tied_embeddings_and_half_precision_sources(tmp_path, dtype):
+    ckpt = tiny_qwen3_moe(tmp_path / "tied", dtype=dtype, tie_word_embeddings=True, num_experts=3,
                           num_experts_per_tok=1, decoder_sparse_step=2)
     out = convert(str(ckpt), tmp_path / "out", "q4", progress=False).out
     src = load_file(ckpt / "model.safetensors")
@@ -123,7 +124,12 @@ def test_tied_embeddings_and_bf16_source(tmp_path):
     with open_vault(out) as v:
         assert v.arch["tie_word_embeddings"] is True
         assert v.arch["layer_kinds"] == ["dense", "moe", "dense"]  # decoder_sparse_step=2
-    assert all(torch.equal(bb[k], src[k]) for k in bb)  # bf16 backbone tensors are copied bit for bit
+    # bf16 tensors are copied bit for bit; fp16 ones are rounded to bf16 once.
+    assert all(torch.equal(bb[k], src[k].to(torch.bfloat16)) for k in bb)
+    with open_vault(out) as v:
+        want = src["model.layers.1.mlp.experts.2.up_proj.weight"].float()
+        got = v.dequantize_expert(1, 2)[1]
+        assert ((got - want).norm() / want.norm()) < 0.12
 
 
 def test_existing_output_is_refused_then_replaced_with_force(tiny_dirs, tmp_path):
