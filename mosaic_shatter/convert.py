@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from mosaic_runtime.vault.format import (BACKBONE_FILE, FP8_BLOCK, Q4_BLOCK, VAULT_FILE, QuantType, encode_meta,
-                                         plan_header)
+from mosaic_runtime.vault.format import (BACKBONE_FILE, FP8_BLOCK, Q4_BLOCK, QUANT_NAMES, VAULT_FILE, QuantType,
+                                         encode_meta, plan_header)
 
 from . import __version__
 from .checkpoint import Checkpoint, CheckpointError
@@ -119,7 +119,7 @@ def convert(source: str, out: str | os.PathLike, quant: str, *, revision: str | 
         ConvertError: the plan has problems, the output exists, or the disk is too small.
     """
     start = time.monotonic()
-    qtype = QuantType[{"q4": "Q4_G32", "fp8": "FP8_B128"}[quant]]
+    qtype = QUANT_NAMES[quant]
     ckpt = Checkpoint(source, revision)
     plan = make_plan(ckpt)
     if plan.problems:

@@ -13,7 +13,7 @@ from mosaic_runtime.vault.format import (PROJECTIONS, QuantType, ScaleDtype, enc
                                          projection_shape, record_layout)
 
 from .architectures import Architecture, architecture_for
-from .checkpoint import Checkpoint, TensorInfo
+from .checkpoint import DTYPE_BYTES, Checkpoint, TensorInfo
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 FP8_DTYPE = "F8_E4M3"
@@ -42,7 +42,7 @@ class BackboneTensor:
 
     @property
     def nbytes(self) -> int:
-        n = 2 if self.dtype == "BF16" else {"F32": 4, "I64": 8, "I32": 4}.get(self.dtype, 1)
+        n = DTYPE_BYTES[self.dtype]
         for s in self.shape:
             n *= s
         return n

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from .format import (BACKBONE_FILE, HEADER_SIZE, VAULT_FILE, IndexEntry, QuantType, Reason,
+from .format import (BACKBONE_FILE, HEADER_SIZE, QUANT_NAMES, VAULT_FILE, IndexEntry, Reason,
                      VaultError, VaultHeader, crc32, decode_meta, moe_layers_of, unpack_index)
 from .record import dequantize_record
 
-QUANT_LABELS = {QuantType.Q4_G32: "q4", QuantType.FP8_B128: "fp8"}
+QUANT_LABELS = {q: name for name, q in QUANT_NAMES.items()}
 _SAFETENSORS_MAX_HEADER = 100 << 20  # the safetensors library's own limit
 
 
