@@ -70,6 +70,8 @@ def qwen3_moe_tensors(cfg: dict, fp8: bool) -> list[tuple[str, str, list[int]]]:
             return [(name, "BF16", [rows, cols])]
         return [(name, "F8_E4M3", [rows, cols]), (name + "_scale_inv", "BF16", [-(-rows // 128), -(-cols // 128)])]
 
+    dense = set(cfg.get("mlp_only_layers") or [])
+    step = cfg.get("decoder_sparse_step") or 1
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         out += linear(p + "self_attn.q_proj.weight", heads * hd, h)
@@ -77,8 +79,13 @@ def qwen3_moe_tensors(cfg: dict, fp8: bool) -> list[tuple[str, str, list[int]]]:
         out += linear(p + "self_attn.v_proj.weight", kv * hd, h)
         out += linear(p + "self_attn.o_proj.weight", h, heads * hd)
         out += [(p + "self_attn.q_norm.weight", "BF16", [hd]), (p + "self_attn.k_norm.weight", "BF16", [hd]),
-                (p + "input_layernorm.weight", "BF16", [h]), (p + "post_attention_layernorm.weight", "BF16", [h]),
-                (p + "mlp.gate.weight", "BF16", [n_exp, h])]
+                (p + "input_layernorm.weight", "BF16", [h]), (p + "post_attention_layernorm.weight", "BF16", [h])]
+        if i in dense or (i + 1) % step:  # a dense MLP layer (transformers' rule)
+            out += linear(p + "mlp.gate_proj.weight", cfg["intermediate_size"], h)
+            out += linear(p + "mlp.up_proj.weight", cfg["intermediate_size"], h)
+            out += linear(p + "mlp.down_proj.weight", h, cfg["intermediate_size"])
+            continue
+        out.append((p + "mlp.gate.weight", "BF16", [n_exp, h]))
         for e in range(n_exp):
             q = f"{p}mlp.experts.{e}."
             out += linear(q + "gate_proj.weight", inter, h)
@@ -141,3 +148,23 @@ def flip_byte(path: Path, offset: int) -> None:
         f.write(bytes([b[0] ^ 0xFF]))
 
 
+
+
+def random_qwen3_moe(path: Path, seed: int = 0, **overrides) -> Path:
+    """A Qwen3-MoE checkpoint written without transformers (so golden outputs can be checked anywhere):
+    HF tensor names, float32 weights with std 1/sqrt(fan_in) so activations and logit margins are O(1)."""
+    cfg = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "rms_norm_eps": 1e-6,
+           "rope_theta": 10000.0, "rope_scaling": None, "hidden_act": "silu", "tie_word_embeddings": False,
+           "decoder_sparse_step": 1, "mlp_only_layers": [], "torch_dtype": "float32", **TINY, **overrides}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, _, shape in qwen3_moe_tensors(cfg, fp8=False):
+        if len(shape) == 1:  # norms: around 1, not exactly, so a wrong norm shows
+            tensors[name] = 1.0 + 0.1 * torch.randn(*shape, generator=g)
+        else:
+            fan_in = shape[1] if "embed_tokens" not in name else 10  # std 0.3: tied logits not self-dominated
+            tensors[name] = torch.randn(*shape, generator=g) / fan_in ** 0.5
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path

@@ -1,0 +1,70 @@
+"""Sampling and text handling for the decode loop: pure functions, no engine state."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
+           generator: torch.Generator | None) -> int:
+    """Next token from logits [V]: greedy at temperature 0, else top-k / top-p (nucleus) sampling."""
+    if temperature <= 0:
+        return int(torch.argmax(logits))
+    logits = logits.float() / temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        keep = sorted_probs.cumsum(-1) - sorted_probs < top_p  # the smallest set reaching top_p
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+
+
+class TextCodec:
+    """The checkpoint's own tokenizer.json and chat template, copied into the model directory."""
+
+    def __init__(self, directory: Path):
+        from tokenizers import Tokenizer
+        self.tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        cfg_path = directory / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        template = cfg.get("chat_template")
+        if (directory / "chat_template.jinja").is_file():
+            template = (directory / "chat_template.jinja").read_text()
+        self.chat_template = template
+        self.special = {k: cfg.get(k) for k in ("bos_token", "eos_token", "pad_token")}
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """The prompt text of a conversation, rendered by the checkpoint's template in a Jinja sandbox."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; pass a plain prompt")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        special = {k: (v["content"] if isinstance(v, dict) else v) for k, v in self.special.items()}
+        return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True, **special)
+
+
+class Detokenizer:
+    """Turns a growing list of ids into text increments without splitting a multi-byte character."""
+
+    def __init__(self, codec: TextCodec):
+        self.codec, self.ids, self.emitted = codec, [], ""
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.codec.decode(self.ids)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return ""
+        new, self.emitted = text[len(self.emitted):], text
+        return new

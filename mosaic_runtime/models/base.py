@@ -1,0 +1,67 @@
+"""What every model family shares: norms, rotary embeddings and the attention over a KV cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in float32 (as transformers' Qwen3MoeRMSNorm)."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class Rotary:
+    """RoPE tables for positions 0..max_positions-1, built once at start-up.
+
+    Supports the default (unscaled) and linear rope types and a partial rotary factor; others are refused
+    when the engine opens, not in the token loop.
+    """
+
+    SUPPORTED = ("default", "linear")
+
+    def __init__(self, rope: dict, head_dim: int, max_positions: int):
+        if rope["type"] not in self.SUPPORTED:
+            raise NotImplementedError(f"rope type {rope['type']!r} is not supported yet")
+        self.rot_dim = int(head_dim * rope["partial_rotary_factor"])
+        inv_freq = 1.0 / (rope["theta"] ** (torch.arange(0, self.rot_dim, 2, dtype=torch.int64).float() / self.rot_dim))
+        pos = torch.arange(max_positions, dtype=torch.float32)
+        if rope["type"] == "linear":
+            pos = pos / float(rope["scaling"]["factor"])
+        freqs = torch.outer(pos, inv_freq)  # [P, rot/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [P, rot]
+        self.cos, self.sin = emb.cos(), emb.sin()
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim] rotated at positions [T] (rotate-half convention)."""
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [T, 1, rot]
+        rot, rest = x[..., :self.rot_dim], x[..., self.rot_dim:]
+        half = self.rot_dim // 2
+        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+        out = rot * cos + rotated * sin
+        return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+
+def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
+                     scale: float) -> torch.Tensor:
+    """Causal GQA attention of T new queries at positions start..start+T-1 over cache[:start+T].
+
+    Args:
+        q: [T, Hq, D]; k_cache, v_cache: [S, Hkv, D] holding the keys/values up to start+T.
+    Returns:
+        [T, Hq * D]
+    """
+    t, hq, d = q.shape
+    end = start + t
+    hkv = k_cache.shape[1]
+    k = k_cache[:end].transpose(0, 1)  # [Hkv, S, D]
+    v = v_cache[:end].transpose(0, 1)
+    qh = q.transpose(0, 1)  # [Hq, T, D]
+    if hkv != hq:  # grouped-query attention: each kv head serves hq/hkv query heads
+        k = k.repeat_interleave(hq // hkv, dim=0)
+        v = v.repeat_interleave(hq // hkv, dim=0)
+    # Query i sees keys 0..start+i.
+    mask = torch.ones(t, end, dtype=torch.bool).tril(diagonal=start)
+    out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)  # [Hq, T, D]
+    return out.transpose(0, 1).reshape(t, hq * d)

@@ -1,0 +1,91 @@
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): GQA attention with q/k RMSNorm and RoPE, softmax top-k
+routed experts, optional dense MLP layers. Settings come from the vault's arch block, weights from the
+backbone; routed experts run through the executor it is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from ..experts import ExpertExecutor
+from ..kv_cache import KVCache
+from ..routing import ROUTERS
+from .base import Rotary, cached_attention, rms_norm
+
+
+@dataclass
+class Layer:
+    input_norm: torch.Tensor  # [H]
+    post_norm: torch.Tensor  # [H]
+    q_proj: torch.Tensor  # [heads * D, H]
+    k_proj: torch.Tensor  # [kv_heads * D, H]
+    v_proj: torch.Tensor  # [kv_heads * D, H]
+    o_proj: torch.Tensor  # [H, heads * D]
+    q_norm: torch.Tensor  # [D]
+    k_norm: torch.Tensor  # [D]
+    router: torch.Tensor | None  # [E, H] for MoE layers
+    mlp: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # gate, up, down of a dense layer
+
+
+class Qwen3Moe:
+    def __init__(self, arch: dict, weights: Mapping[str, torch.Tensor], experts: ExpertExecutor, max_seq: int,
+                 dtype: torch.dtype = torch.float32):
+        """Args:
+            arch: the vault's arch block.
+            weights: backbone tensors by their checkpoint names.
+            experts: runs the routed experts of a layer.
+            max_seq: KV cache length, allocated here once.
+        """
+        self.arch, self.experts, self.dtype = arch, experts, dtype
+        self.heads, self.kv_heads, self.head_dim = arch["num_attention_heads"], arch["num_key_value_heads"], arch["head_dim"]
+        self.eps, self.top_k = arch["rms_norm_eps"], arch["num_experts_per_tok"]
+        self.route = ROUTERS[arch["scoring_func"]]
+        if arch["hidden_act"] != "silu":
+            raise NotImplementedError(f"hidden_act {arch['hidden_act']!r} is not supported")
+        w = lambda name: weights[name].to(dtype)  # noqa: E731
+        self.embed = w("model.embed_tokens.weight")  # [V, H]
+        self.norm = w("model.norm.weight")
+        self.lm_head = self.embed if arch["tie_word_embeddings"] else w("lm_head.weight")
+        self.layers = []
+        for i, kind in enumerate(arch["layer_kinds"]):
+            p = f"model.layers.{i}."
+            attn = [w(p + f"self_attn.{n}.weight") for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
+            moe = kind == "moe"
+            self.layers.append(Layer(
+                w(p + "input_layernorm.weight"), w(p + "post_attention_layernorm.weight"), *attn,
+                router=w(p + "mlp.gate.weight") if moe else None,
+                mlp=None if moe else tuple(w(p + f"mlp.{n}_proj.weight") for n in ("gate", "up", "down"))))
+        self.rotary = Rotary(arch["rope"], self.head_dim, max_seq)
+        self.kv = KVCache(len(self.layers), max_seq, self.kv_heads, self.head_dim, dtype)
+        self.scale = self.head_dim ** -0.5
+
+    def attention(self, i: int, layer: Layer, x: torch.Tensor, start: int) -> torch.Tensor:
+        t = x.shape[0]  # T new tokens, D head_dim
+        positions = torch.arange(start, start + t)
+        q = rms_norm(F.linear(x, layer.q_proj).view(t, self.heads, self.head_dim), layer.q_norm, self.eps)
+        k = rms_norm(F.linear(x, layer.k_proj).view(t, self.kv_heads, self.head_dim), layer.k_norm, self.eps)
+        v = F.linear(x, layer.v_proj).view(t, self.kv_heads, self.head_dim)
+        q, k = self.rotary.apply(q, positions), self.rotary.apply(k, positions)
+        k_cache, v_cache = self.kv.store(i, start, k, v)
+        return F.linear(cached_attention(q, k_cache, v_cache, start, self.scale), layer.o_proj)  # [T, H]
+
+    def mlp(self, i: int, layer: Layer, x: torch.Tensor) -> torch.Tensor:
+        if layer.mlp is not None:
+            gate, up, down = layer.mlp
+            return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+        topk_weights, topk_ids = self.route(F.linear(x, layer.router), self.top_k, self.arch["norm_topk_prob"])
+        return self.experts(i, x, topk_weights, topk_ids)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """Logits [T, V] (float32) of tokens ids [T] at positions start..start+T-1; extends the KV cache."""
+        x = self.embed[ids]  # [T, H]
+        for i, layer in enumerate(self.layers):
+            x = x + self.attention(i, layer, rms_norm(x, layer.input_norm, self.eps), start)
+            x = x + self.mlp(i, layer, rms_norm(x, layer.post_norm, self.eps))
+        self.kv.length = start + ids.shape[0]
+        return F.linear(rms_norm(x, self.norm, self.eps), self.lm_head).float()
