@@ -1,5 +1,6 @@
 // nanobind glue only: every function here calls into the Python-free core in native/src.
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -9,6 +10,7 @@
 #include <tuple>
 #include <vector>
 
+#include "mosaic/kernels.h"
 #include "mosaic/vault_format.h"
 
 namespace nb = nanobind;
@@ -62,9 +64,81 @@ void init_format(nb::module_& m) {
   });
 }
 
+using Bytes = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Ints = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Floats1 = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Matrix = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using OutMatrix = nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using Scratch = nb::ndarray<float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+void check(bool ok, const std::string& what) {
+  if (!ok) throw nb::value_error(what.c_str());
+}
+
+RecordLayout layout_of(uint32_t quant, uint32_t scale_dtype, uint32_t hidden, uint32_t intermediate) {
+  return record_layout(QuantType(quant), ScaleDtype(scale_dtype), hidden, intermediate);
+}
+
+void init_kernels(nb::module_& m) {
+  nb::module_ k = m.def_submodule("kernels", "Expert FFN kernels (scalar reference, AVX2, AVX-512)");
+  k.attr("SCALAR") = static_cast<int>(Isa::Scalar);
+  k.attr("AVX2") = static_cast<int>(Isa::Avx2);
+  k.attr("AVX512") = static_cast<int>(Isa::Avx512);
+  k.def("best_isa", [] { return static_cast<int>(best_isa()); });
+  k.def("isa_name", [](int isa) { return std::string(isa_name(Isa(isa))); });
+  k.def("matvec",
+        [](int isa, uint32_t quant, uint32_t scale_dtype, Bytes codes, Bytes scales, int rows, int cols, Matrix x,
+           OutMatrix y) {
+          // Y[n, rows] = X[n, cols] @ W.T for one quantised projection (tests and benchmarks).
+          check(x.shape(1) == static_cast<size_t>(cols) && y.shape(1) == static_cast<size_t>(rows) &&
+                    x.shape(0) == y.shape(0), "matvec: shapes disagree");
+          check(isa <= static_cast<int>(best_isa()), "matvec: this CPU lacks that ISA");
+          const IsaKernels ks = isa == 2 ? avx512_kernels() : isa == 1 ? avx2_kernels() : scalar_kernels();
+          MatvecArgs a{codes.data(), scales.data(), ScaleDtype(scale_dtype), rows, cols, x.data(), cols,
+                       static_cast<int>(x.shape(0)), y.data(), rows};
+          nb::gil_scoped_release release;
+          (QuantType(quant) == QuantType::Q4_G32 ? ks.q4 : ks.fp8)(a);
+        });
+  k.def("scratch_floats", [](uint32_t quant, uint32_t scale_dtype, uint32_t hidden, uint32_t intermediate,
+                             int total_rows, int max_rows_per_task, int threads) {
+    return moe_scratch_floats(layout_of(quant, scale_dtype, hidden, intermediate), total_rows, max_rows_per_task,
+                              threads);
+  });
+  k.def("moe_experts",
+        [](int isa, int threads, uint32_t quant, uint32_t scale_dtype, uint32_t hidden, uint32_t intermediate,
+           const std::vector<Bytes>& records, const std::vector<Ints>& tokens, const std::vector<Floats1>& weights,
+           Matrix x, OutMatrix y, Scratch scratch) {
+          // y[T, H] += routed experts; records/tokens/weights hold one entry per expert, in combine order.
+          const RecordLayout layout = layout_of(quant, scale_dtype, hidden, intermediate);
+          const size_t n = records.size();
+          check(tokens.size() == n && weights.size() == n, "moe_experts: one token list and weight list per record");
+          check(x.shape(1) == hidden && y.shape(1) == hidden && x.shape(0) == y.shape(0), "moe_experts: x/y shape");
+          check(isa <= static_cast<int>(best_isa()), "moe_experts: this CPU lacks that ISA");
+          thread_local std::vector<ExpertTask> tasks;  // capacity kept across calls: no allocation per token
+          tasks.clear();
+          int total = 0, max_n = 0;
+          for (size_t i = 0; i < n; ++i) {
+            check(records[i].shape(0) >= layout.payload_bytes, "moe_experts: record shorter than its layout");
+            check(tokens[i].shape(0) == weights[i].shape(0), "moe_experts: tokens and weights differ in length");
+            const int cnt = static_cast<int>(tokens[i].shape(0));
+            for (int j = 0; j < cnt; ++j)
+              check(tokens[i].data()[j] >= 0 && static_cast<size_t>(tokens[i].data()[j]) < x.shape(0),
+                    "moe_experts: token index out of range");
+            tasks.push_back({records[i].data(), tokens[i].data(), weights[i].data(), cnt});
+            total += cnt;
+            max_n = cnt > max_n ? cnt : max_n;
+          }
+          check(scratch.shape(0) >= moe_scratch_floats(layout, total, max_n, threads), "moe_experts: scratch too small");
+          nb::gil_scoped_release release;
+          moe_experts(layout, QuantType(quant), x.data(), static_cast<int>(hidden), tasks.data(),
+                      static_cast<int>(tasks.size()), y.data(), scratch.data(), Isa(isa), threads);
+        });
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
-  m.doc() = "Mosaic native core (format mirror; reader, ring and kernels arrive with the runtime)";
+  m.doc() = "Mosaic native core: the format mirror and the expert kernels";
   init_format(m);
+  init_kernels(m);
 }

@@ -11,6 +11,7 @@ RecordLayout record_layout(QuantType quant, ScaleDtype scale_dtype, uint32_t hid
   if (quant == QuantType::Q4_G32 && scale_dtype != ScaleDtype::F16)
     throw std::invalid_argument("Q4_G32 scales are f16");
   RecordLayout layout{};
+  layout.scale_dtype = scale_dtype;
   uint64_t at = 0;
   for (Projection p : {Projection::Gate, Projection::Up, Projection::Down}) {
     // gate/up are [I, H], down is [H, I], as nn.Linear stores them.

@@ -76,6 +76,7 @@ struct Plane {
 };
 
 struct RecordLayout {
+  ScaleDtype scale_dtype;
   std::vector<Plane> planes;  // gate codes, gate scales, up codes, up scales, down codes, down scales
   uint64_t payload_bytes;
   uint64_t record_bytes;

@@ -1,0 +1,73 @@
+// Expert FFN kernels on raw pointers: y += w * down(silu(gate x) * up x), weights dequantised inline.
+// One scalar reference and one implementation per ISA, chosen at run time (kernels_dispatch.cpp).
+#pragma once
+
+#include <cstdint>
+
+#include "mosaic/vault_format.h"
+
+namespace mosaic {
+
+// The format's block sizes as ints, for index arithmetic in the kernels.
+inline constexpr int kQ4 = static_cast<int>(kQ4Block);
+inline constexpr int kQ4Bytes = static_cast<int>(kQ4BlockBytes);
+inline constexpr int kFp8 = static_cast<int>(kFp8Block);
+
+enum class Isa : int { Scalar = 0, Avx2 = 1, Avx512 = 2 };
+
+// Y[t, r] = sum_c W[r, c] * X[t, c] for t < n, r < rows; W is one quantised projection (codes + scales).
+// X rows are `ldx` floats apart, Y rows `ldy` floats apart. Every ISA sums a row in the same block order
+// but with its own vector width, so ISAs agree to float rounding, not bit for bit.
+struct MatvecArgs {
+  const uint8_t* codes;   // codes plane
+  const void* scales;     // scales plane (f16 for Q4_G32; bf16 or f32 for FP8_B128)
+  ScaleDtype scale_dtype;
+  int rows, cols;
+  const float* x; int ldx;
+  int n;
+  float* y; int ldy;
+};
+
+using MatvecFn = void (*)(const MatvecArgs&);
+
+struct IsaKernels {
+  MatvecFn q4;
+  MatvecFn fp8;
+};
+
+IsaKernels scalar_kernels();
+IsaKernels avx2_kernels();
+IsaKernels avx512_kernels();
+
+Isa best_isa();                  // what this CPU supports
+const char* isa_name(Isa isa);
+
+// One expert's share of a layer: the tokens routed to it and their routing weights.
+struct ExpertTask {
+  const uint8_t* record;  // a whole record (vault_format.md §4)
+  const int32_t* tokens;  // n indices into X
+  const float* weights;   // n routing weights
+  int n;
+};
+
+// Y[T, H] += the routed experts' outputs. Tasks are split over `threads` threads, whole experts each;
+// each task's output lands in its own scratch rows and is added to Y in task order, so the result never
+// depends on the thread count or on which expert finished first.
+// scratch: at least moe_scratch_floats(...) floats, allocated once by the caller.
+void moe_experts(const RecordLayout& layout, QuantType quant, const float* x, int hidden, const ExpertTask* tasks,
+                 int n_tasks, float* y, float* scratch, Isa isa, int threads);
+uint64_t moe_scratch_floats(const RecordLayout& layout, int total_rows, int max_rows_per_task, int threads);
+
+// Scalar helpers shared by every ISA.
+float f16_to_f32(uint16_t h);
+float bf16_to_f32(uint16_t h);
+float e4m3_to_f32(uint8_t b);
+inline float scale_at(const void* scales, ScaleDtype d, uint64_t i) {
+  switch (d) {
+    case ScaleDtype::F32: return static_cast<const float*>(scales)[i];
+    case ScaleDtype::BF16: return bf16_to_f32(static_cast<const uint16_t*>(scales)[i]);
+    default: return f16_to_f32(static_cast<const uint16_t*>(scales)[i]);
+  }
+}
+
+}  // namespace mosaic

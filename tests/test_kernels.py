@@ -1,0 +1,109 @@
+"""Native expert kernels against torch references, on odd shapes, for every ISA this CPU has."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mosaic_runtime import _native
+from mosaic_runtime.experts import expert_ffn
+from mosaic_runtime.vault.format import PROJECTIONS, QuantType, ScaleDtype, projection_shape, record_layout
+from mosaic_runtime.vault.quant import dequantize_fp8, dequantize_q4, quantize_fp8, quantize_q4
+from mosaic_runtime.vault.record import dequantize_record, pack_record
+
+K = _native.kernels
+ISAS = [isa for isa in (K.SCALAR, K.AVX2, K.AVX512) if isa <= K.best_isa()]
+
+
+def as_bytes(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.uint8).reshape(-1).numpy()
+
+
+def quantised(quant, rows, cols, seed, scale_dtype=torch.float32):
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+    if quant is QuantType.Q4_G32:
+        codes, scales = quantize_q4(w)
+        return codes, scales, ScaleDtype.F16, dequantize_q4(codes, scales, cols)
+    codes, scales = quantize_fp8(w)
+    scales = scales.to(scale_dtype)
+    return codes, scales, ScaleDtype.BF16 if scale_dtype == torch.bfloat16 else ScaleDtype.F32, \
+        dequantize_fp8(codes, scales)
+
+
+@settings(max_examples=30, deadline=None)
+@given(quant=st.sampled_from([QuantType.Q4_G32, QuantType.FP8_B128]), rows=st.integers(1, 140),
+       cols=st.integers(1, 300), n=st.integers(1, 6), isa=st.sampled_from(ISAS), bf16=st.booleans(),
+       seed=st.integers(0, 1000))
+def test_matvec_matches_dequantised_torch(quant, rows, cols, n, isa, bf16, seed):
+    codes, scales, sdt, w = quantised(quant, rows, cols, seed, torch.bfloat16 if bf16 else torch.float32)
+    x = torch.randn(n, cols, generator=torch.Generator().manual_seed(seed + 1))
+    y = np.zeros((n, rows), np.float32)
+    K.matvec(isa, int(quant), int(sdt), as_bytes(codes), as_bytes(scales), rows, cols, x.numpy(), y)
+    ref = (x.double() @ w.double().T)
+    bound = 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-6  # float32 summation-order slack
+    assert ((torch.from_numpy(y).double() - ref).abs() <= bound).all()
+
+
+def test_fp8_subnormals_and_signs_decode_exactly():
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F].reshape(1, -1)  # every E4M3FN value but NaN
+    cols = codes.shape[1]
+    scales = torch.ones(1, -(-cols // 128))
+    x = torch.eye(cols)
+    want = codes.view(torch.float8_e4m3fn).float()
+    for isa in ISAS:
+        y = np.zeros((cols, 1), np.float32)
+        K.matvec(isa, int(QuantType.FP8_B128), int(ScaleDtype.F32), as_bytes(codes), as_bytes(scales), 1, cols,
+                 x.numpy(), y)
+        assert torch.equal(torch.from_numpy(y)[:, 0], want[0]), K.isa_name(isa)
+
+
+def random_record(layout, seed):
+    g = torch.Generator().manual_seed(seed)
+    quantize = quantize_q4 if layout.quant is QuantType.Q4_G32 else quantize_fp8
+    planes = {p: quantize(torch.randn(*projection_shape(p, layout.hidden, layout.intermediate), generator=g) * 0.2)
+              for p in PROJECTIONS}
+    return np.frombuffer(bytes(pack_record(layout, planes)), np.uint8)
+
+
+def run_moe(layout, records, tokens, weights, x, isa, threads):
+    y = np.zeros_like(x)
+    total, max_n = sum(len(t) for t in tokens), max(len(t) for t in tokens)
+    scratch = np.zeros(K.scratch_floats(int(layout.quant), int(layout.scale_dtype), layout.hidden,
+                                        layout.intermediate, total, max_n, threads), np.float32)
+    K.moe_experts(isa, threads, int(layout.quant), int(layout.scale_dtype), layout.hidden, layout.intermediate,
+                  records, tokens, weights, x, y, scratch)
+    return y
+
+
+@pytest.mark.parametrize("quant", [QuantType.Q4_G32, QuantType.FP8_B128])
+@pytest.mark.parametrize("tokens_n", [1, 7])
+def test_moe_experts_match_torch_and_ignore_thread_count(quant, tokens_n):
+    hidden, inter = 200, 72  # partial Q4 blocks and FP8 tiles
+    layout = record_layout(quant, ScaleDtype.F16 if quant is QuantType.Q4_G32 else ScaleDtype.F32, hidden, inter)
+    records = [random_record(layout, s) for s in range(4)]
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(tokens_n, hidden, generator=g)
+    tokens = [np.arange(tokens_n, dtype=np.int32)[: max(1, tokens_n - i)] for i in range(4)]
+    weights = [torch.rand(len(t), generator=g).numpy() for t in tokens]
+    ref = torch.zeros(tokens_n, hidden, dtype=torch.float64)
+    for rec, tok, w in zip(records, tokens, weights):
+        gate, up, down = (m.double() for m in dequantize_record(layout, rec.tobytes()))
+        ref[torch.from_numpy(tok).long()] += torch.from_numpy(w).double()[:, None] * expert_ffn(
+            x.double()[torch.from_numpy(tok).long()], gate, up, down)
+    for isa in ISAS:
+        one = run_moe(layout, records, tokens, weights, x.numpy(), isa, 1)
+        two = run_moe(layout, records, tokens, weights, x.numpy(), isa, 2)
+        assert np.array_equal(one, two), K.isa_name(isa)  # bit-identical whatever the threads
+        assert np.allclose(one, ref.numpy(), rtol=1e-4, atol=1e-4 * ref.abs().max().item()), K.isa_name(isa)
+
+
+def test_bad_arguments_raise_instead_of_reading_garbage():
+    layout = record_layout(QuantType.Q4_G32, ScaleDtype.F16, 64, 32)
+    rec = random_record(layout, 0)
+    x = np.zeros((2, 64), np.float32)
+    with pytest.raises(ValueError, match="out of range"):
+        run_moe(layout, [rec], [np.array([5], np.int32)], [np.ones(1, np.float32)], x, K.SCALAR, 1)
+    with pytest.raises(ValueError, match="shorter"):
+        run_moe(layout, [rec[:100]], [np.array([0], np.int32)], [np.ones(1, np.float32)], x, K.SCALAR, 1)
