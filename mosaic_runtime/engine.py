@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,40 +12,87 @@ from typing import Iterator
 import torch
 from safetensors.torch import load_file
 
-from .experts import TorchExperts
+from .cache.store import ExpertStore
+from .experts import NativeExperts, TorchExperts
 from .generate import Detokenizer, TextCodec, sample
 from .models import MODELS
 from .vault import open_vault
 from .vault.format import BACKBONE_FILE
 
 
+DEFAULT_IO = "buffered"  # chosen by benchmarks/reader_bench.py: see benchmarks/RESULTS.md
+MARGIN_BYTES = 1 << 30  # left to the OS, Python and torch when sizing the ring from available memory
+
+
 @dataclass
 class Stats:
-    """Counters of the last generate() call (and per-layer expert use since open)."""
+    """What the engine did: expert cache per layer since open, and the last generate() call."""
 
-    expert_calls: dict[int, int] = field(default_factory=dict)  # layer -> experts run
+    hits: dict[int, int] = field(default_factory=dict)  # layer -> ring hits
+    misses: dict[int, int] = field(default_factory=dict)  # layer -> records read
+    bytes_read: int = 0
+    io_s: float = 0.0
     prompt_tokens: int = 0
     new_tokens: int = 0
-    ttft_s: float = 0.0  # time to first token
-    decode_s: float = 0.0
+    ttft_s: float = 0.0  # prefill + first token
+    decode_s: float = 0.0  # the tokens after the first
 
     @property
     def tok_per_s(self) -> float:
         return (self.new_tokens - 1) / self.decode_s if self.new_tokens > 1 and self.decode_s > 0 else 0.0
 
+    @property
+    def hit_rate(self) -> float:
+        h, m = sum(self.hits.values()), sum(self.misses.values())
+        return h / (h + m) if h + m else 0.0
+
+
+def available_memory() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def ring_slots(vault, ram_budget: int | None, resident_bytes: int) -> int:
+    """How many records the ring holds.
+
+    With a budget: budget // record_bytes. Without: (MemAvailable - what the backbone and KV cache
+    already hold - MARGIN_BYTES) // record_bytes. Never more than the vault's records, never fewer than
+    one layer's top-k (else a layer could not run at all).
+    """
+    record, top_k = vault.header.record_bytes, vault.arch["num_experts_per_tok"]
+    budget = ram_budget if ram_budget is not None else available_memory() - resident_bytes - MARGIN_BYTES
+    if budget < top_k * record:
+        raise ValueError(f"a RAM budget of {budget:,} bytes holds fewer than one layer's top-{top_k} experts; "
+                         f"the minimum is {top_k * record:,} bytes")
+    return min(budget // record, vault.header.num_records)
+
 
 class Engine:
-    def __init__(self, directory: Path, vault, model, codec: TextCodec | None):
-        self.directory, self.vault, self.model, self.codec = directory, vault, model, codec
+    def __init__(self, directory: Path, vault, store, model, codec: TextCodec | None):
+        self.directory, self.vault, self.store, self.model, self.codec = directory, vault, store, model, codec
         self.stats = Stats()
 
     @classmethod
-    def open(cls, path, *, max_seq: int = 4096, threads: int | None = None) -> "Engine":
+    def open(cls, path, ram_budget: int | None = None, io: str | None = None, threads: int | None = None, *,
+             max_seq: int = 4096, kernel: str = "native", verbose: bool = False) -> "Engine":
         """Open a model directory written by `mosaic-shatter convert`.
 
         Args:
-            max_seq: longest context; the KV cache for it is allocated here, once.
-            threads: torch intra-op threads (default: torch's own choice).
+            ram_budget: bytes for the expert ring (the LRU expert cache); default: from available memory,
+                see ring_slots().
+            io: "direct" (O_DIRECT / F_NOCACHE) or "buffered" (pread through the page cache).
+            threads: threads for the expert kernel and torch (default: every core).
+            max_seq: longest context; its KV cache is allocated here, once.
+            kernel: "native" runs experts in the C++ kernel straight from the ring; "torch" dequantises
+                records and uses torch ops (the reference, no ring).
+            verbose: print notices (such as a Direct-I/O fallback) to stderr.
         Raises:
             VaultError: the directory is not a complete, valid vault.
             NotImplementedError: the arch block names something this runtime cannot run.
@@ -53,18 +102,33 @@ class Engine:
         model_type = vault.arch["model_type"]
         if model_type not in MODELS:
             raise NotImplementedError(f"model_type {model_type!r} has no runtime model")
-        if threads:
-            torch.set_num_threads(threads)
-        engine = cls(directory, vault, None, None)
-        experts = TorchExperts(engine._fetch_expert)
+        threads = threads or os.cpu_count() or 1
+        torch.set_num_threads(threads)
+        notice = (lambda msg: print(msg, file=sys.stderr)) if verbose else None
+        engine = cls(directory, vault, None, None, None)
+        if kernel == "native":
+            experts = NativeExperts(None, threads)  # the store is attached once the backbone is resident
+        elif kernel == "torch":
+            experts = TorchExperts(vault.dequantize_expert)
+        else:
+            raise ValueError(f"kernel must be 'native' or 'torch', not {kernel!r}")
         engine.model = MODELS[model_type](vault.arch, load_file(directory / BACKBONE_FILE), experts, max_seq)
+        if kernel == "native":
+            resident = sum(t.numel() * t.element_size() for t in engine.model.tensors()) + engine.model.kv.nbytes
+            engine.store = ExpertStore(vault, ring_slots(vault, ram_budget, resident), io or DEFAULT_IO,
+                                       notice=notice)
+            experts.attach(engine.store)
         if (directory / "tokenizer.json").is_file():
             engine.codec = TextCodec(directory)
         return engine
 
-    def _fetch_expert(self, layer: int, expert: int):
-        self.stats.expert_calls[layer] = self.stats.expert_calls.get(layer, 0) + 1
-        return self.vault.dequantize_expert(layer, expert)
+    def _sync_stats(self) -> None:
+        if self.store is None:
+            return
+        s, c = self.stats, self.store.policy.counters
+        s.hits = {layer: v.hits for layer, v in sorted(c.items())}
+        s.misses = {layer: v.misses for layer, v in sorted(c.items())}
+        s.bytes_read, s.io_s = self.store.io.bytes_read, self.store.io.io_s
 
     @property
     def arch(self) -> dict:
@@ -81,7 +145,8 @@ class Engine:
         """Token ids, one at a time, after prefilling prompt_ids from an empty cache."""
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         stop = set(stop_ids) | set(self.arch.get("eos_token_ids") or [])
-        s = self.stats = Stats(expert_calls=self.stats.expert_calls, prompt_tokens=len(prompt_ids))
+        s = self.stats
+        s.prompt_tokens, s.new_tokens, s.ttft_s, s.decode_s = len(prompt_ids), 0, 0.0, 0.0
         t0 = time.perf_counter()
         logits = self.logits(prompt_ids)[-1]
         for n in range(max_new_tokens):
@@ -92,6 +157,7 @@ class Engine:
                 t1 = time.perf_counter()
             else:
                 s.decode_s = time.perf_counter() - t1
+            self._sync_stats()
             if token in stop:
                 return
             yield token
@@ -110,17 +176,24 @@ class Engine:
             ids = self.codec.encode(self.codec.render_chat(list(prompt)))
         else:
             ids = list(prompt)
-        detok, text = Detokenizer(self.codec), ""
-        for token in self.generate_ids(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                       top_k=top_k, seed=seed):
-            piece = detok.push(token)
-            text += piece
-            for s in stop or ():
-                if s in text:
-                    cut = text.index(s)
-                    tail = piece[:len(piece) - (len(text) - cut)]
-                    if tail:
-                        yield tail
-                    return
-            if piece:
-                yield piece
+        stop = [s for s in stop or () if s]
+        hold = max((len(s) for s in stop), default=1) - 1  # a stop string may be arriving: hold its length back
+        detok, text, sent = Detokenizer(self.codec), "", 0
+        tokens = self.generate_ids(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                   top_k=top_k, seed=seed)
+        for token in tokens:
+            text += detok.push(token)
+            hits = [text.find(s, max(0, sent - len(s))) for s in stop]
+            if any(h >= 0 for h in hits):
+                end = min(h for h in hits if h >= 0)
+                if end > sent:
+                    yield text[sent:end]
+                return
+            if len(text) - hold > sent:
+                yield text[sent:len(text) - hold]
+                sent = len(text) - hold
+        text += detok.flush()
+        ends = [text.find(s, max(0, sent - len(s))) for s in stop]
+        end = min([e for e in ends if e >= 0], default=len(text))
+        if end > sent:
+            yield text[sent:end]

@@ -39,3 +39,60 @@ class TorchExperts:
             out = expert_ffn(x[tokens], *self.fetch(layer, e))
             y.index_add_(0, tokens, out * topk_weights[tokens, slot, None].to(x.dtype))
         return y
+
+
+class NativeExperts:
+    """Runs a layer's routed experts in the native kernel (mosaic_runtime._native) on whole records held
+    in the expert store's ring: weights are dequantised inside the kernel, never materialised.
+
+    The kernel's scratch is allocated once for decode (one token) and grown at most once per larger prefill.
+    """
+
+    def __init__(self, store, threads: int, isa: int | None = None):
+        import numpy as np
+
+        from . import _native
+        self._np, self._k = np, _native.kernels
+        self.threads = threads
+        self.isa = self._k.best_isa() if isa is None else isa
+        self._scratch = np.zeros(0, np.float32)
+        if store is not None:
+            self.attach(store)
+
+    def attach(self, store) -> None:
+        self.store, self.layout = store, store.vault.layout
+
+    def _scratch_for(self, total: int, max_n: int):
+        need = self._k.scratch_floats(int(self.layout.quant), int(self.layout.scale_dtype), self.layout.hidden,
+                                      self.layout.intermediate, total, max_n, self.threads)
+        if self._scratch.shape[0] < need:
+            self._scratch = self._np.zeros(need, self._np.float32)
+        return self._scratch
+
+    def __call__(self, layer, x, topk_weights, topk_ids):
+        np = self._np
+        ids = topk_ids.numpy()
+        w = topk_weights.float().numpy()
+        experts = np.unique(ids).tolist()  # ascending: the combine order
+        tokens, weights = [], []
+        for e in experts:
+            tok, slot = np.nonzero(ids == e)
+            tokens.append(tok.astype(np.int32))
+            weights.append(np.ascontiguousarray(w[tok, slot], dtype=np.float32))
+        xs = x.float().contiguous().numpy()
+        y = np.zeros_like(xs)
+        # A prefill chunk may name more experts than the ring holds: run them in ascending groups that fit.
+        # y accumulates task by task in the same order either way, so grouping never changes a bit.
+        group = self.store.ring.n_slots
+        for g0 in range(0, len(experts), group):
+            part = slice(g0, g0 + group)
+            scratch = self._scratch_for(sum(len(t) for t in tokens[part]), max(len(t) for t in tokens[part]))
+            slots = self.store.acquire(layer, experts[part])
+            try:
+                records = [self.store.ring.view(s) for s in slots]
+                self._k.moe_experts(self.isa, self.threads, int(self.layout.quant), int(self.layout.scale_dtype),
+                                    self.layout.hidden, self.layout.intermediate, records, tokens[part],
+                                    weights[part], xs, y, scratch)
+            finally:
+                self.store.release(slots)
+        return torch.from_numpy(y).to(x.dtype)

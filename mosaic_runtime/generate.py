@@ -68,3 +68,9 @@ class Detokenizer:
             return ""
         new, self.emitted = text[len(self.emitted):], text
         return new
+
+    def flush(self) -> str:
+        """What is still held back when generation ends (an incomplete character decodes as U+FFFD)."""
+        text = self.codec.decode(self.ids)
+        new, self.emitted = text[len(self.emitted):], text
+        return new

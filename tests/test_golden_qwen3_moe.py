@@ -67,11 +67,12 @@ def mosaic_run(engine: Engine):
     return tokens, logits
 
 
+@pytest.mark.parametrize("kernel", ["native", "torch"])
 @pytest.mark.parametrize("quant", ["q4", "fp8"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_matches_transformers(vaults, case, quant):
+def test_matches_transformers(vaults, case, quant, kernel):
     ckpt, out = vaults[(case, quant)]
-    engine = Engine.open(out, max_seq=64)
+    engine = Engine.open(out, max_seq=64, kernel=kernel)
     tokens, logits = mosaic_run(engine)
     ref = reference_model(ckpt, engine)
     with torch.no_grad():

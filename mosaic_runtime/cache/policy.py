@@ -1,0 +1,53 @@
+"""Which record lives in which ring slot: least-recently-used replacement, never evicting a pinned slot,
+with per-layer hit and miss counters."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LayerCounters:
+    hits: int = 0
+    misses: int = 0
+
+
+@dataclass
+class LRUPolicy:
+    n_slots: int
+    where: "OrderedDict[tuple[int, int], int]" = field(default_factory=OrderedDict)  # key -> slot, LRU first
+    free: list[int] = field(default_factory=list)
+    counters: dict[int, LayerCounters] = field(default_factory=lambda: defaultdict(LayerCounters))
+
+    def __post_init__(self):
+        self.free = list(range(self.n_slots - 1, -1, -1))
+
+    def lookup(self, key: tuple[int, int]) -> int | None:
+        """The slot holding key (now most recently used), or None; counts a hit or a miss."""
+        slot = self.where.get(key)
+        c = self.counters[key[0]]
+        if slot is None:
+            c.misses += 1
+            return None
+        c.hits += 1
+        self.where.move_to_end(key)
+        return slot
+
+    def place(self, key: tuple[int, int], pinned: set[int]) -> int:
+        """A slot for key: a free one, else the least recently used one not pinned."""
+        if self.free:
+            slot = self.free.pop()
+        else:
+            victim = next((k for k, s in self.where.items() if s not in pinned), None)
+            if victim is None:
+                raise RuntimeError(f"every one of the {self.n_slots} ring slots is in use")
+            slot = self.where.pop(victim)
+        self.where[key] = slot
+        return slot
+
+    def forget(self, key: tuple[int, int]) -> None:
+        """Drop key after a failed read, so its slot holds nothing that looks valid."""
+        slot = self.where.pop(key, None)
+        if slot is not None:
+            self.free.append(slot)

@@ -1,0 +1,178 @@
+"""Engine: same tokens whatever the RAM budget or I/O mode, cache accounting, errors, text generation."""
+
+import errno
+import json
+import os
+import tracemalloc
+
+import pytest
+import torch
+
+from builders import flip_byte, random_qwen3_moe
+from mosaic_runtime import VaultError
+from mosaic_runtime.engine import Engine
+from mosaic_shatter.convert import convert
+
+PROMPT = [5, 17, 101, 64, 3, 250, 77, 9]
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    ckpt = random_qwen3_moe(root / "ckpt", seed=3, eos_token_id=None, num_experts=8, num_experts_per_tok=2,
+                            num_hidden_layers=4, mlp_only_layers=[2])
+    return convert(str(ckpt), root / "q4", "q4", progress=False).out
+
+
+def run(engine):
+    out = [engine.logits(PROMPT)]
+    token = int(out[-1][-1].argmax())
+    for _ in range(STEPS):
+        out.append(engine.model.forward(torch.tensor([token]), engine.model.kv.length))
+        token = int(out[-1][-1].argmax())
+    return out
+
+
+def record_bytes(model_dir):
+    return Engine.open(model_dir, ram_budget=1 << 30, max_seq=64).vault.header.record_bytes
+
+
+def test_logits_bit_identical_whatever_the_ring_size_and_io(model_dir):
+    rec = record_bytes(model_dir)
+    tiny = Engine.open(model_dir, ram_budget=2 * rec, io="buffered", max_seq=64)  # one layer's top-2 only
+    full = Engine.open(model_dir, ram_budget=1 << 30, io="direct", max_seq=64)
+    assert tiny.store.ring.n_slots == 2 and full.store.ring.n_slots == 3 * 8
+    a, b = run(tiny), run(full)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    direct_tiny = Engine.open(model_dir, ram_budget=2 * rec, io="direct", max_seq=64)
+    assert all(torch.equal(x, y) for x, y in zip(a, run(direct_tiny)))
+    assert tiny.store.reader.mode == "buffered" and direct_tiny.store.reader.mode == "direct"
+
+
+def test_native_kernel_agrees_with_the_torch_reference(model_dir):
+    native, ref = run(Engine.open(model_dir, max_seq=64)), run(Engine.open(model_dir, max_seq=64, kernel="torch"))
+    assert all((x - y).abs().max() < 5e-5 for x, y in zip(native, ref))
+
+
+def test_budget_below_one_layers_top_k_is_refused(model_dir):
+    rec = record_bytes(model_dir)
+    with pytest.raises(ValueError, match="top-2"):
+        Engine.open(model_dir, ram_budget=2 * rec - 1, max_seq=64)
+
+
+def test_cache_counters(model_dir):
+    engine = Engine.open(model_dir, ram_budget=1 << 30, max_seq=64)
+    list(engine.generate_ids(PROMPT, max_new_tokens=4))
+    s = engine.stats
+    assert set(s.misses) == {0, 1, 3}  # the MoE layers
+    assert s.bytes_read == sum(s.misses.values()) * engine.vault.header.record_bytes
+    first_read = s.bytes_read
+    list(engine.generate_ids(PROMPT, max_new_tokens=4))  # same prompt, same experts: all hits now
+    assert engine.stats.bytes_read == first_read and engine.stats.hit_rate > 0.5
+    assert engine.stats.new_tokens == 4 and engine.stats.ttft_s > 0
+
+
+def test_no_reallocation_in_the_token_loop(model_dir):
+    engine = Engine.open(model_dir, ram_budget=1 << 30, max_seq=64)
+    run(engine)  # warm: scratch sized, every expert read once
+    ring, scratch = engine.store.ring.address, engine.model.experts._scratch.ctypes.data
+    kv = engine.model.kv.k.data_ptr()
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    token = 7
+    for _ in range(8):
+        token = int(engine.model.forward(torch.tensor([token]), engine.model.kv.length)[-1].argmax())
+    grown = sum(d.size_diff for d in tracemalloc.take_snapshot().compare_to(before, "filename") if d.size_diff > 0)
+    tracemalloc.stop()
+    assert engine.store.ring.address == ring and engine.model.experts._scratch.ctypes.data == scratch
+    assert engine.model.kv.k.data_ptr() == kv
+    assert grown < 64 << 10  # Python-level churn only: no buffer grows with the tokens
+
+
+def test_corrupted_record_raises_and_hands_nothing_to_the_kernel(model_dir, tmp_path):
+    import shutil
+    d = tmp_path / "bad"
+    shutil.copytree(model_dir, d)
+    engine = Engine.open(d, ram_budget=1 << 30, max_seq=64)
+    entry = engine.vault.entry(1, 3)
+    flip_byte(d / "experts.vault", entry.offset + 777)
+    bad = None
+    for start in range(0, 300, 7):  # find a prompt that routes to expert 3 of layer 1
+        try:
+            engine.logits([start % 320, (start * 3) % 320, (start * 5) % 320])
+        except VaultError as e:
+            bad = e
+            break
+    assert bad is not None and (bad.layer, bad.expert) == (1, 3)
+    assert (1, 3) not in engine.store.policy.where  # the slot was emptied, not left looking valid
+
+
+def test_direct_io_refused_falls_back_with_one_notice(model_dir, monkeypatch):
+    real_open = os.open
+
+    def no_direct(path, flags, *a):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+    monkeypatch.setattr(os, "open", no_direct)
+    notices = []
+    from mosaic_runtime.io import RecordReader
+    reader = RecordReader(model_dir / "experts.vault", "direct", notices.append)
+    assert reader.mode == "buffered" and len(notices) == 1 and "O_DIRECT" in notices[0]
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory, model_dir):
+    """The model directory plus a real byte-level BPE tokenizer and a chat template."""
+    import shutil
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    d = tmp_path_factory.mktemp("chat") / "m"
+    shutil.copytree(model_dir, d)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["def add(a, b):\n    return a + b\n" * 20, "héllo wörld, ünïcode ✓" * 10], trainer)
+    tok.save(str(d / "tokenizer.json"))
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "<|im_end|>"}))
+    return d
+
+
+def test_generate_streams_text_that_decodes_the_ids(chat_dir):
+    engine = Engine.open(chat_dir, max_seq=128)
+    pieces = list(engine.generate("def add(a, b):", max_new_tokens=10))
+    ids = list(engine.generate_ids(engine.codec.encode("def add(a, b):"), max_new_tokens=10))
+    assert "".join(pieces) == engine.codec.decode(ids)
+
+
+def test_chat_messages_use_the_checkpoints_template(chat_dir):
+    engine = Engine.open(chat_dir, max_seq=128)
+    rendered = engine.codec.render_chat([{"role": "user", "content": "hi"}])
+    assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    text = "".join(engine.generate([{"role": "user", "content": "hi"}], max_new_tokens=6))
+    assert text == "".join(engine.generate(engine.codec.encode(rendered), max_new_tokens=6))
+
+
+def test_sampling_is_seeded_and_stop_strings_cut(chat_dir):
+    engine = Engine.open(chat_dir, max_seq=128)
+    a = "".join(engine.generate("return", max_new_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=1))
+    b = "".join(engine.generate("return", max_new_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=1))
+    assert a == b
+    if len(a) > 3:
+        stop = a[2:4]
+        cut = "".join(engine.generate("return", max_new_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=1,
+                                      stop=[stop]))
+        assert cut == a[:a.index(stop)]
+
+
+def test_template_sandbox_refuses_unsafe_code(chat_dir):
+    engine = Engine.open(chat_dir, max_seq=128)
+    engine.codec.chat_template = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    from jinja2.exceptions import SecurityError
+    with pytest.raises(SecurityError):
+        engine.codec.render_chat([])
