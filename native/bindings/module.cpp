@@ -99,6 +99,10 @@ void init_kernels(nb::module_& m) {
           nb::gil_scoped_release release;
           (QuantType(quant) == QuantType::Q4_G32 ? ks.q4 : ks.fp8)(a);
         });
+  k.def("stream_read", [](Bytes data, int threads) {
+    nb::gil_scoped_release release;
+    return stream_read(data.data(), data.shape(0), threads);
+  });
   k.def("scratch_floats", [](uint32_t quant, uint32_t scale_dtype, uint32_t hidden, uint32_t intermediate,
                              int total_rows, int max_rows_per_task, int threads) {
     return moe_scratch_floats(layout_of(quant, scale_dtype, hidden, intermediate), total_rows, max_rows_per_task,

@@ -58,6 +58,9 @@ void moe_experts(const RecordLayout& layout, QuantType quant, const float* x, in
                  int n_tasks, float* y, float* scratch, Isa isa, int threads);
 uint64_t moe_scratch_floats(const RecordLayout& layout, int total_rows, int max_rows_per_task, int threads);
 
+// Reads n bytes once, split over threads (the roofline for benchmarks); returns a checksum.
+double stream_read(const uint8_t* data, uint64_t n, int threads);
+
 // Scalar helpers shared by every ISA.
 float f16_to_f32(uint16_t h);
 float bf16_to_f32(uint16_t h);

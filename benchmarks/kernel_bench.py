@@ -1,0 +1,116 @@
+"""Decode-time expert FFN (top-8 experts of a layer, one token) against this machine's memory-read
+roofline measured in the same run, interleaved, and against torch F.linear on the same weights in bf16.
+
+    python benchmarks/kernel_bench.py [--threads 2] [--reps 5]
+
+Weights cycle through more than 1 GiB of records so that nothing is served from the caches. Effective
+bandwidth = bytes of the 8 records' planes / time of the call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from mosaic_runtime import _native  # noqa: E402
+from mosaic_runtime.vault.format import PROJECTIONS, QuantType, ScaleDtype, projection_shape, record_layout  # noqa: E402
+from mosaic_runtime.vault.quant import quantize_fp8, quantize_q4  # noqa: E402
+from mosaic_runtime.vault.record import pack_record  # noqa: E402
+
+K = _native.kernels
+GEOMETRIES = [("Qwen3-30B-A3B", 2048, 768), ("Qwen3.5-35B-A3B", 2048, 512), ("Qwen3-235B-A22B", 4096, 1536)]
+POOL_BYTES = 5 << 28  # 1.25 GiB of records per case
+TOP_K = 8
+
+
+def records_pool(quant: QuantType, hidden: int, inter: int):
+    layout = record_layout(quant, ScaleDtype.F16 if quant is QuantType.Q4_G32 else ScaleDtype.F32, hidden, inter)
+    g = torch.Generator().manual_seed(0)
+    quantize = quantize_q4 if quant is QuantType.Q4_G32 else quantize_fp8
+    one = np.frombuffer(bytes(pack_record(layout, {p: quantize(torch.randn(*projection_shape(p, hidden, inter),
+                                                                            generator=g) * 0.02)
+                                                   for p in PROJECTIONS})), np.uint8)
+    n = max(4 * TOP_K, POOL_BYTES // layout.record_bytes)
+    pool = np.empty((n, layout.record_bytes), np.uint8)
+    pool[:] = one  # identical content, distinct memory: every call streams from DRAM
+    return layout, pool
+
+
+def time_kernel(layout, pool, threads: int, calls: int) -> float:
+    hidden = layout.hidden
+    x = np.random.default_rng(0).standard_normal((1, hidden), dtype=np.float32)
+    y = np.zeros_like(x)
+    tokens = [np.zeros(1, np.int32)] * TOP_K
+    weights = [np.full(1, 1.0 / TOP_K, np.float32)] * TOP_K
+    scratch = np.zeros(K.scratch_floats(int(layout.quant), int(layout.scale_dtype), hidden, layout.intermediate,
+                                        TOP_K, 1, threads), np.float32)
+    n = pool.shape[0]
+    t = time.perf_counter()
+    for c in range(calls):
+        recs = [pool[(c * TOP_K + j) % n] for j in range(TOP_K)]
+        K.moe_experts(K.best_isa(), threads, int(layout.quant), int(layout.scale_dtype), hidden, layout.intermediate,
+                      recs, tokens, weights, x, y, scratch)
+    return (time.perf_counter() - t) / calls
+
+
+def time_torch(hidden: int, inter: int, threads: int, calls: int) -> float:
+    torch.set_num_threads(threads)
+    n = max(4 * TOP_K, POOL_BYTES // (3 * hidden * inter * 2))
+    gate = torch.randn(n, inter, hidden, dtype=torch.bfloat16) * 0.02
+    up = torch.randn(n, inter, hidden, dtype=torch.bfloat16) * 0.02
+    down = torch.randn(n, hidden, inter, dtype=torch.bfloat16) * 0.02
+    x = torch.randn(1, hidden, dtype=torch.bfloat16)
+    t = time.perf_counter()
+    for c in range(calls):
+        y = torch.zeros(1, hidden, dtype=torch.bfloat16)
+        for j in range(TOP_K):
+            e = (c * TOP_K + j) % n
+            y += F.linear(F.silu(F.linear(x, gate[e])) * F.linear(x, up[e]), down[e])
+    return (time.perf_counter() - t) / calls
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    print(f"ISA {K.isa_name(K.best_isa())}, {args.threads} threads, top-{TOP_K}, one token, pools of "
+          f"{POOL_BYTES / 2**30:.2f} GiB")
+    print("| geometry (H x I) | quant | kernel GB/s | roofline GB/s (same run) | kernel / roofline | "
+          "torch bf16 F.linear ms | Mosaic ms | speed-up vs torch |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, hidden, inter in GEOMETRIES:
+        torch_ms = time_torch(hidden, inter, args.threads, 40) * 1e3
+        for quant in (QuantType.Q4_G32, QuantType.FP8_B128):
+            layout, pool = records_pool(quant, hidden, inter)
+            flat = pool.reshape(-1)
+            moved = TOP_K * layout.payload_bytes
+            calls = max(20, int(2 * pool.nbytes / moved))  # two passes over the pool
+            time_kernel(layout, pool, args.threads, 5)
+            ratios, kern, roof = [], [], []
+            for _ in range(args.reps):  # interleaved: the roofline is bimodal and drifts (FACTS.md §3)
+                k = moved / time_kernel(layout, pool, args.threads, calls) / 1e9
+                t = time.perf_counter()
+                K.stream_read(flat, args.threads)
+                r = flat.nbytes / (time.perf_counter() - t) / 1e9
+                kern.append(k)
+                roof.append(r)
+                ratios.append(k / r)
+            ms = moved / statistics.median(kern) / 1e6
+            print(f"| {name} {hidden} x {inter} | {'Q4_G32' if quant is QuantType.Q4_G32 else 'FP8_B128'} "
+                  f"| {statistics.median(kern):.1f} | {statistics.median(roof):.1f} "
+                  f"| {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) "
+                  f"| {torch_ms:.2f} | {ms:.2f} | {torch_ms / ms:.1f}x |")
+            del pool, flat
+
+
+if __name__ == "__main__":
+    main()
