@@ -31,7 +31,8 @@ class Stats:
     hits: dict[int, int] = field(default_factory=dict)  # layer -> ring hits
     misses: dict[int, int] = field(default_factory=dict)  # layer -> records read
     bytes_read: int = 0
-    io_s: float = 0.0
+    io_s: float = 0.0  # waiting for expert reads
+    kernel_s: float = 0.0  # in the native expert kernel
     prompt_tokens: int = 0
     new_tokens: int = 0
     ttft_s: float = 0.0  # prefill + first token
@@ -40,6 +41,11 @@ class Stats:
     @property
     def tok_per_s(self) -> float:
         return (self.new_tokens - 1) / self.decode_s if self.new_tokens > 1 and self.decode_s > 0 else 0.0
+
+    @property
+    def backbone_s(self) -> float:
+        """The rest of the last call's time: attention, norms, router, lm_head and Python."""
+        return max(0.0, self.ttft_s + self.decode_s - self.io_s - self.kernel_s)
 
     @property
     def hit_rate(self) -> float:
@@ -78,6 +84,7 @@ class Engine:
     def __init__(self, directory: Path, vault, store, model, codec: TextCodec | None):
         self.directory, self.vault, self.store, self.model, self.codec = directory, vault, store, model, codec
         self.stats = Stats()
+        self._io_mark = self._kernel_mark = 0.0
 
     @classmethod
     def open(cls, path, ram_budget: int | None = None, io: str | None = None, threads: int | None = None, *,
@@ -128,11 +135,24 @@ class Engine:
         s, c = self.stats, self.store.policy.counters
         s.hits = {layer: v.hits for layer, v in sorted(c.items())}
         s.misses = {layer: v.misses for layer, v in sorted(c.items())}
-        s.bytes_read, s.io_s = self.store.io.bytes_read, self.store.io.io_s
+        s.bytes_read = self.store.io.bytes_read
+        s.io_s = self.store.io.io_s - self._io_mark
+        s.kernel_s = self.model.experts.kernel_s - self._kernel_mark
 
     @property
     def arch(self) -> dict:
         return self.vault.arch
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+        self.vault.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def logits(self, token_ids) -> torch.Tensor:
         """float32 logits [T, vocab] of a fresh forward pass over token_ids (the KV cache is reset)."""
@@ -147,6 +167,8 @@ class Engine:
         stop = set(stop_ids) | set(self.arch.get("eos_token_ids") or [])
         s = self.stats
         s.prompt_tokens, s.new_tokens, s.ttft_s, s.decode_s = len(prompt_ids), 0, 0.0, 0.0
+        if self.store is not None:  # io_s and kernel_s are per call; hits, misses and bytes since open
+            self._io_mark, self._kernel_mark = self.store.io.io_s, self.model.experts.kernel_s
         t0 = time.perf_counter()
         logits = self.logits(prompt_ids)[-1]
         for n in range(max_new_tokens):

@@ -7,6 +7,7 @@ depend on timing (and match transformers' own loop order).
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Protocol
 
 import torch
@@ -54,6 +55,7 @@ class NativeExperts:
         from . import _native
         self._np, self._k = np, _native.kernels
         self.threads = threads
+        self.kernel_s = 0.0  # time inside the native call, for engine.stats
         self.isa = self._k.best_isa() if isa is None else isa
         self._scratch = np.zeros(0, np.float32)
         if store is not None:
@@ -90,9 +92,11 @@ class NativeExperts:
             slots = self.store.acquire(layer, experts[part])
             try:
                 records = [self.store.ring.view(s) for s in slots]
+                t = time.perf_counter()
                 self._k.moe_experts(self.isa, self.threads, int(self.layout.quant), int(self.layout.scale_dtype),
                                     self.layout.hidden, self.layout.intermediate, records, tokens[part],
                                     weights[part], xs, y, scratch)
+                self.kernel_s += time.perf_counter() - t
             finally:
                 self.store.release(slots)
         return torch.from_numpy(y).to(x.dtype)

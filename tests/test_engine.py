@@ -71,6 +71,7 @@ def test_cache_counters(model_dir):
     list(engine.generate_ids(PROMPT, max_new_tokens=4))  # same prompt, same experts: all hits now
     assert engine.stats.bytes_read == first_read and engine.stats.hit_rate > 0.5
     assert engine.stats.new_tokens == 4 and engine.stats.ttft_s > 0
+    assert engine.stats.kernel_s > 0 and engine.stats.backbone_s > 0 and engine.stats.io_s == 0  # all hits
 
 
 def test_no_reallocation_in_the_token_loop(model_dir):
