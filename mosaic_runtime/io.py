@@ -7,6 +7,7 @@ import errno
 import fcntl
 import os
 import sys
+import threading
 
 from .vault.format import Reason, VaultError
 
@@ -23,6 +24,8 @@ class RecordReader:
             raise ValueError(f"io must be one of {IO_MODES}, not {io!r}")
         self.path, self.requested, self.notice = str(path), io, notice
         self.mode = io
+        self._switch = threading.Lock()  # reads run on several threads; only one may fall back
+        self._retired: list[int] = []
         self.fd = self._open(io)
 
     def _open(self, io: str) -> int:
@@ -53,10 +56,14 @@ class RecordReader:
             try:
                 got = os.preadv(self.fd, [buffer[done:length]], offset + done)
             except OSError as e:
-                if e.errno == errno.EINVAL and self.mode == "direct" and done == 0:
-                    os.close(self.fd)
-                    self.fd = self._fall_back(f"{self.path}: O_DIRECT read refused ({e.strerror})")
-                    continue
+                if e.errno == errno.EINVAL and done == 0:
+                    with self._switch:
+                        if self.mode == "direct":
+                            # The old descriptor stays open until close(): another thread may be using it.
+                            self._retired.append(self.fd)
+                            self.fd = self._fall_back(f"{self.path}: O_DIRECT read refused ({e.strerror})")
+                    if self.mode == "buffered":
+                        continue
                 raise VaultError(Reason.TRUNCATED, f"read of {length} bytes failed: {e.strerror}", path=self.path,
                                  offset=offset + done) from None
             if got <= 0:
@@ -65,4 +72,5 @@ class RecordReader:
             done += got
 
     def close(self) -> None:
-        os.close(self.fd)
+        for fd in (self.fd, *self._retired):
+            os.close(fd)

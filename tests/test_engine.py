@@ -177,3 +177,22 @@ def test_template_sandbox_refuses_unsafe_code(chat_dir):
     from jinja2.exceptions import SecurityError
     with pytest.raises(SecurityError):
         engine.codec.render_chat([])
+
+
+def test_direct_read_refused_midway_falls_back(model_dir, monkeypatch):
+    from mosaic_runtime.io import RecordReader
+    notices = []
+    reader = RecordReader(model_dir / "experts.vault", "direct", notices.append)
+    real = os.preadv
+    calls = []
+
+    def refuse_first(fd, bufs, offset):
+        if not calls:
+            calls.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, bufs, offset)
+    monkeypatch.setattr(os, "preadv", refuse_first)
+    buf = memoryview(bytearray(16384))
+    reader.read_into(buf, 0, 16384)
+    assert reader.mode == "buffered" and len(notices) == 1 and bytes(buf[:8]) == b"MOSAICV\0"
+    reader.close()
