@@ -44,7 +44,7 @@ def records_pool(quant: QuantType, hidden: int, inter: int):
     return layout, pool
 
 
-def time_kernel(layout, pool, threads: int, calls: int) -> float:
+def time_kernel(layout, pool, threads: int, calls: int, isa: int) -> float:
     hidden = layout.hidden
     x = np.random.default_rng(0).standard_normal((1, hidden), dtype=np.float32)
     y = np.zeros_like(x)
@@ -56,7 +56,7 @@ def time_kernel(layout, pool, threads: int, calls: int) -> float:
     t = time.perf_counter()
     for c in range(calls):
         recs = [pool[(c * TOP_K + j) % n] for j in range(TOP_K)]
-        K.moe_experts(K.best_isa(), threads, int(layout.quant), int(layout.scale_dtype), hidden, layout.intermediate,
+        K.moe_experts(isa, threads, int(layout.quant), int(layout.scale_dtype), hidden, layout.intermediate,
                       recs, tokens, weights, x, y, scratch)
     return (time.perf_counter() - t) / calls
 
@@ -84,20 +84,23 @@ def main() -> None:
     args = ap.parse_args()
     print(f"ISA {K.isa_name(K.best_isa())}, {args.threads} threads, top-{TOP_K}, one token, pools of "
           f"{POOL_BYTES / 2**30:.2f} GiB")
-    print("| geometry (H x I) | quant | kernel GB/s | roofline GB/s (same run) | kernel / roofline | "
+    print("| geometry (H x I) | quant, ISA | kernel GB/s | roofline GB/s (same run) | kernel / roofline | "
           "torch bf16 F.linear ms | Mosaic ms | speed-up vs torch |")
     print("|---|---|---|---|---|---|---|---|")
     for name, hidden, inter in GEOMETRIES:
         torch_ms = time_torch(hidden, inter, args.threads, 40) * 1e3
-        for quant in (QuantType.Q4_G32, QuantType.FP8_B128):
+        cases = [(QuantType.Q4_G32, K.best_isa()), (QuantType.FP8_B128, K.best_isa())]
+        if K.isa_available(K.AVX512_VNNI):
+            cases.insert(1, (QuantType.Q4_G32, K.AVX512_VNNI))
+        for quant, isa in cases:
             layout, pool = records_pool(quant, hidden, inter)
             flat = pool.reshape(-1)
             moved = TOP_K * layout.payload_bytes
             calls = max(20, int(2 * pool.nbytes / moved))  # two passes over the pool
-            time_kernel(layout, pool, args.threads, 5)
+            time_kernel(layout, pool, args.threads, 5, isa)
             ratios, kern, roof = [], [], []
             for _ in range(args.reps):  # interleaved: the roofline is bimodal and drifts (FACTS.md §3)
-                k = moved / time_kernel(layout, pool, args.threads, calls) / 1e9
+                k = moved / time_kernel(layout, pool, args.threads, calls, isa) / 1e9
                 t = time.perf_counter()
                 K.stream_read(flat, args.threads)
                 r = flat.nbytes / (time.perf_counter() - t) / 1e9
@@ -105,7 +108,8 @@ def main() -> None:
                 roof.append(r)
                 ratios.append(k / r)
             ms = moved / statistics.median(kern) / 1e6
-            print(f"| {name} {hidden} x {inter} | {'Q4_G32' if quant is QuantType.Q4_G32 else 'FP8_B128'} "
+            label = ("Q4_G32" if quant is QuantType.Q4_G32 else "FP8_B128") + f" {K.isa_name(isa)}"
+            print(f"| {name} {hidden} x {inter} | {label} "
                   f"| {statistics.median(kern):.1f} | {statistics.median(roof):.1f} "
                   f"| {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) "
                   f"| {torch_ms:.2f} | {ms:.2f} | {torch_ms / ms:.1f}x |")

@@ -97,8 +97,10 @@ class Engine:
             io: "direct" (O_DIRECT / F_NOCACHE) or "buffered" (pread through the page cache).
             threads: threads for the expert kernel and torch (default: every core).
             max_seq: longest context; its KV cache is allocated here, once.
-            kernel: "native" runs experts in the C++ kernel straight from the ring; "torch" dequantises
-                records and uses torch ops (the reference, no ring).
+            kernel: "native" runs experts in the C++ kernel straight from the ring; "native-int8" does too
+                but quantises activations to int8 for the Q4 dot products (AVX-512 VNNI: 1.6x faster,
+                logits no longer bit-faithful to the float reference); "torch" dequantises records and uses
+                torch ops (the reference, no ring).
             verbose: print notices (such as a Direct-I/O fallback) to stderr.
         Raises:
             VaultError: the directory is not a complete, valid vault.
@@ -113,14 +115,20 @@ class Engine:
         torch.set_num_threads(threads)
         notice = (lambda msg: print(msg, file=sys.stderr)) if verbose else None
         engine = cls(directory, vault, None, None, None)
-        if kernel == "native":
-            experts = NativeExperts(None, threads)  # the store is attached once the backbone is resident
+        if kernel in ("native", "native-int8"):
+            isa = None
+            if kernel == "native-int8":
+                from . import _native
+                if not _native.kernels.isa_available(_native.kernels.AVX512_VNNI):
+                    raise ValueError("kernel='native-int8' needs AVX-512 VNNI, which this CPU lacks")
+                isa = _native.kernels.AVX512_VNNI
+            experts = NativeExperts(None, threads, isa)  # the store is attached once the backbone is resident
         elif kernel == "torch":
             experts = TorchExperts(vault.dequantize_expert)
         else:
-            raise ValueError(f"kernel must be 'native' or 'torch', not {kernel!r}")
+            raise ValueError(f"kernel must be 'native', 'native-int8' or 'torch', not {kernel!r}")
         engine.model = MODELS[model_type](vault.arch, load_file(directory / BACKBONE_FILE), experts, max_seq)
-        if kernel == "native":
+        if kernel != "torch":
             resident = sum(t.numel() * t.element_size() for t in engine.model.tensors()) + engine.model.kv.nbytes
             engine.store = ExpertStore(vault, ring_slots(vault, ram_budget, resident), io or DEFAULT_IO,
                                        notice=notice)

@@ -55,6 +55,17 @@ def test_native_kernel_agrees_with_the_torch_reference(model_dir):
     assert all((x - y).abs().max() < 5e-5 for x, y in zip(native, ref))
 
 
+def test_int8_activation_kernel_stays_close(model_dir):
+    from mosaic_runtime import _native
+    if not _native.kernels.isa_available(_native.kernels.AVX512_VNNI):
+        pytest.skip("no AVX-512 VNNI on this CPU")
+    fast = Engine.open(model_dir, max_seq=64, kernel="native-int8")
+    exact = Engine.open(model_dir, max_seq=64)
+    a, b = fast.logits(PROMPT), exact.logits(PROMPT)
+    assert (a - b).abs().max() <= 0.02 * b.abs().max()  # int8 activations: ~0.4 % per dot product
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
 def test_budget_below_one_layers_top_k_is_refused(model_dir):
     rec = record_bytes(model_dir)
     with pytest.raises(ValueError, match="top-2"):

@@ -107,3 +107,35 @@ def test_bad_arguments_raise_instead_of_reading_garbage():
         run_moe(layout, [rec], [np.array([5], np.int32)], [np.ones(1, np.float32)], x, K.SCALAR, 1)
     with pytest.raises(ValueError, match="shorter"):
         run_moe(layout, [rec[:100]], [np.array([0], np.int32)], [np.ones(1, np.float32)], x, K.SCALAR, 1)
+
+
+def int8_activation_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What the VNNI kernel computes: x quantised to int8 per 32 (scale amax/127), then exact products."""
+    n, cols = x.shape
+    nb = -(-cols // 32)
+    xp = torch.zeros(n, nb * 32, dtype=torch.float64)
+    xp[:, :cols] = x.double()
+    blocks = xp.view(n, nb, 32)
+    sx = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(sx > 0, torch.round(blocks / torch.where(sx > 0, sx, 1)), torch.zeros_like(blocks))
+    return (q * sx).view(n, nb * 32)[:, :cols] @ w.double().T
+
+
+@pytest.mark.skipif(not K.isa_available(K.AVX512_VNNI), reason="no AVX-512 VNNI on this CPU")
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 140), cols=st.integers(1, 300), n=st.integers(1, 5), seed=st.integers(0, 1000))
+def test_vnni_q4_matches_its_int8_activation_reference(rows, cols, n, seed):
+    codes, scales, sdt, w = quantised(QuantType.Q4_G32, rows, cols, seed)
+    x = torch.randn(n, cols, generator=torch.Generator().manual_seed(seed + 1))
+    y = np.zeros((n, rows), np.float32)
+    K.matvec(K.AVX512_VNNI, int(QuantType.Q4_G32), int(sdt), as_bytes(codes), as_bytes(scales), rows, cols,
+             x.numpy(), y)
+    ref = int8_activation_reference(x, w)
+    bound = 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-6
+    assert ((torch.from_numpy(y).double() - ref).abs() <= bound).all()
+    # and within int8 rounding of the float result: at most half a step (amax/254) per activation
+    exact = x.double() @ w.double().T
+    step = torch.zeros(n, -(-cols // 32) * 32, dtype=torch.float64)
+    step[:, :cols] = x.double()
+    half = (step.view(n, -1, 32).abs().amax(-1, keepdim=True) / 254).expand(-1, -1, 32).reshape(n, -1)[:, :cols]
+    assert ((torch.from_numpy(y).double() - exact).abs() <= half @ w.double().abs().T * 1.0001 + 1e-6).all()

@@ -84,6 +84,8 @@ void init_kernels(nb::module_& m) {
   k.attr("SCALAR") = static_cast<int>(Isa::Scalar);
   k.attr("AVX2") = static_cast<int>(Isa::Avx2);
   k.attr("AVX512") = static_cast<int>(Isa::Avx512);
+  k.attr("AVX512_VNNI") = static_cast<int>(Isa::Avx512Vnni);
+  k.def("isa_available", [](int isa) { return isa_available(Isa(isa)); });
   k.def("best_isa", [] { return static_cast<int>(best_isa()); });
   k.def("isa_name", [](int isa) { return std::string(isa_name(Isa(isa))); });
   k.def("matvec",
@@ -92,8 +94,8 @@ void init_kernels(nb::module_& m) {
           // Y[n, rows] = X[n, cols] @ W.T for one quantised projection (tests and benchmarks).
           check(x.shape(1) == static_cast<size_t>(cols) && y.shape(1) == static_cast<size_t>(rows) &&
                     x.shape(0) == y.shape(0), "matvec: shapes disagree");
-          check(isa <= static_cast<int>(best_isa()), "matvec: this CPU lacks that ISA");
-          const IsaKernels ks = isa == 2 ? avx512_kernels() : isa == 1 ? avx2_kernels() : scalar_kernels();
+          check(isa_available(Isa(isa)), "matvec: this CPU lacks that ISA");
+          const IsaKernels ks = kernels_for(Isa(isa));
           MatvecArgs a{codes.data(), scales.data(), ScaleDtype(scale_dtype), rows, cols, x.data(), cols,
                        static_cast<int>(x.shape(0)), y.data(), rows};
           nb::gil_scoped_release release;
@@ -117,7 +119,7 @@ void init_kernels(nb::module_& m) {
           const size_t n = records.size();
           check(tokens.size() == n && weights.size() == n, "moe_experts: one token list and weight list per record");
           check(x.shape(1) == hidden && y.shape(1) == hidden && x.shape(0) == y.shape(0), "moe_experts: x/y shape");
-          check(isa <= static_cast<int>(best_isa()), "moe_experts: this CPU lacks that ISA");
+          check(isa_available(Isa(isa)), "moe_experts: this CPU lacks that ISA");
           thread_local std::vector<ExpertTask> tasks;  // capacity kept across calls: no allocation per token
           tasks.clear();
           int total = 0, max_n = 0;

@@ -17,16 +17,27 @@ Isa best_isa() {
   return Isa::Scalar;
 }
 
+bool has_vnni() {
+  __builtin_cpu_init();
+  return best_isa() == Isa::Avx512 && __builtin_cpu_supports("avx512vnni");
+}
+
+bool isa_available(Isa isa) {
+  return isa == Isa::Avx512Vnni ? has_vnni() : static_cast<int>(isa) <= static_cast<int>(best_isa());
+}
+
 const char* isa_name(Isa isa) {
   switch (isa) {
+    case Isa::Avx512Vnni: return "avx512-vnni (int8 activations)";
     case Isa::Avx512: return "avx512";
     case Isa::Avx2: return "avx2";
     default: return "scalar";
   }
 }
 
-static IsaKernels kernels_for(Isa isa) {
+IsaKernels kernels_for(Isa isa) {
   switch (isa) {
+    case Isa::Avx512Vnni: return avx512_vnni_kernels();
     case Isa::Avx512: return avx512_kernels();
     case Isa::Avx2: return avx2_kernels();
     default: return scalar_kernels();

@@ -13,7 +13,9 @@ inline constexpr int kQ4 = static_cast<int>(kQ4Block);
 inline constexpr int kQ4Bytes = static_cast<int>(kQ4BlockBytes);
 inline constexpr int kFp8 = static_cast<int>(kFp8Block);
 
-enum class Isa : int { Scalar = 0, Avx2 = 1, Avx512 = 2 };
+// Avx512Vnni is opt-in: its Q4 kernel quantises activations to int8 (see kernels_avx512.cpp), so it is
+// not what best_isa() returns; the others compute with float activations and agree to float rounding.
+enum class Isa : int { Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Vnni = 3 };
 
 // Y[t, r] = sum_c W[r, c] * X[t, c] for t < n, r < rows; W is one quantised projection (codes + scales).
 // X rows are `ldx` floats apart, Y rows `ldy` floats apart. Every ISA sums a row in the same block order
@@ -38,6 +40,10 @@ struct IsaKernels {
 IsaKernels scalar_kernels();
 IsaKernels avx2_kernels();
 IsaKernels avx512_kernels();
+IsaKernels avx512_vnni_kernels();
+bool has_vnni();
+IsaKernels kernels_for(Isa isa);
+bool isa_available(Isa isa);
 
 Isa best_isa();                  // what this CPU supports
 const char* isa_name(Isa isa);
