@@ -28,8 +28,11 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 bench: setup
-	$(BIN)/python benchmarks/convert_bench.py
 	$(BIN)/python benchmarks/quant_error.py
+	$(BIN)/python benchmarks/convert_bench.py
+	$(BIN)/python benchmarks/kernel_bench.py
+	$(BIN)/python benchmarks/reader_bench.py
+	$(BIN)/python benchmarks/e2e_bench.py
 
 clean:
 	rm -rf $(VENV) build demo

@@ -110,15 +110,20 @@ def test_bad_arguments_raise_instead_of_reading_garbage():
 
 
 def int8_activation_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """What the VNNI kernel computes: x quantised to int8 per 32 (scale amax/127), then exact products."""
+    """What the VNNI kernel computes: x quantised to int8 per 32 exactly as it does, in IEEE float32
+    (q = rint(x * (127 / amax)), scale amax / 127; numpy, since torch's scalar division may round
+    differently), then exact products."""
     n, cols = x.shape
     nb = -(-cols // 32)
-    xp = torch.zeros(n, nb * 32, dtype=torch.float64)
-    xp[:, :cols] = x.double()
-    blocks = xp.view(n, nb, 32)
-    sx = blocks.abs().amax(-1, keepdim=True) / 127
-    q = torch.where(sx > 0, torch.round(blocks / torch.where(sx > 0, sx, 1)), torch.zeros_like(blocks))
-    return (q * sx).view(n, nb * 32)[:, :cols] @ w.double().T
+    xp = np.zeros((n, nb * 32), np.float32)
+    xp[:, :cols] = x.numpy()
+    blocks = xp.reshape(n, nb, 32)
+    amax = np.abs(blocks).max(-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(blocks * inv).astype(np.float64)
+    sx = (amax / np.float32(127)).astype(np.float64)
+    return torch.from_numpy((q * sx).reshape(n, nb * 32)[:, :cols]) @ w.double().T
 
 
 @pytest.mark.skipif(not K.isa_available(K.AVX512_VNNI), reason="no AVX-512 VNNI on this CPU")

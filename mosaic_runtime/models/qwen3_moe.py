@@ -11,7 +11,7 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
-from ..experts import ExpertExecutor
+from ..experts import ExpertExecutor, expert_ffn
 from ..kv_cache import KVCache
 from ..routing import ROUTERS
 from .base import Rotary, cached_attention, rms_norm
@@ -85,8 +85,7 @@ class Qwen3Moe:
 
     def mlp(self, i: int, layer: Layer, x: torch.Tensor) -> torch.Tensor:
         if layer.mlp is not None:
-            gate, up, down = layer.mlp
-            return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+            return expert_ffn(x, *layer.mlp)  # a dense layer's MLP is the same SwiGLU
         topk_weights, topk_ids = self.route(F.linear(x, layer.router), self.top_k, self.arch["norm_topk_prob"])
         return self.experts(i, x, topk_weights, topk_ids)
 
