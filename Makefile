@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh machine:
-#   make demo   builds a small Qwen3-MoE checkpoint, then probes, converts (Q4 and FP8) and verifies it
+#   make demo   builds a small Qwen3-MoE checkpoint, probes, converts (Q4 and FP8), verifies and runs it
 #   make test   runs the test suite
 # TORCH picks the torch build: the default is the CPU wheel CI uses; `make setup TORCH=torch` takes any.
 PYTHON ?= python3
