@@ -73,7 +73,7 @@ def main() -> None:
     ap.add_argument("--worker")
     ap.add_argument("--io", default="buffered")
     ap.add_argument("--ram-budget", type=int)
-    ap.add_argument("--engine-bytes", type=int, default=1_400 << 20,
+    ap.add_argument("--engine-bytes", type=int, default=850 << 20,
                     help="case (b): memory the engine needs besides the ring (backbone, torch, KV cache)")
     args = ap.parse_args()
     if args.worker:
@@ -86,18 +86,16 @@ def main() -> None:
         from mosaic_shatter.convert import convert
         convert(str(ckpt), model, "q4", progress=False, force=True)
     vault_bytes = (model / "experts.vault").stat().st_size
-    # The engine itself holds the backbone in float32 today (0.75 GB here) plus Python and torch: with the
-    # limit at exactly half the vault it cannot even load. So case (b) gives the *experts* half the vault:
-    # limit = vault / 2 + args.engine_bytes, ring = vault / 2 - 25 % slack for the page cache.
+    # Under the limit the ring gets what the engine itself (bf16 backbone, KV cache, Python and torch) leaves;
     # MemAvailable does not see a cgroup, so the ring budget is passed explicitly.
-    limit = vault_bytes // 2 + args.engine_bytes
-    ring_under_limit = vault_bytes * 3 // 8
+    limit = vault_bytes // 2
+    ring_under_limit = limit - args.engine_bytes
     print(f"vault {vault_bytes / 1e9:.2f} GB; cgroup limit {limit / 1e9:.2f} GB; ring under the limit "
           f"{ring_under_limit / 1e9:.2f} GB")
     print("| case | io | cold TTFT s | decode tok/s | ring slots / records | hit rate | "
           "MB read per token | active expert MB per token | peak RSS GB |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for case, budget, lim in (("(a) fits in RAM", None, None), ("(b) cgroup: experts get 1/2 vault", ring_under_limit, limit)):
+    for case, budget, lim in (("(a) fits in RAM", None, None), ("(b) cgroup limit 1/2 vault", ring_under_limit, limit)):
         for io in ("direct", "buffered"):
             r = run_case(model, io, budget, args.tokens, lim)
             print(f"| {case} | {r['io_mode']} | {r['ttft_s']:.2f} | {r['tok_per_s']:.2f} | {r['ring_slots']} / "

@@ -16,6 +16,7 @@ from .cache.store import ExpertStore
 from .experts import NativeExperts, TorchExperts
 from .generate import Detokenizer, TextCodec, sample
 from .models import MODELS
+from .ops import set_threads
 from .vault import open_vault
 from .vault.format import BACKBONE_FILE
 
@@ -113,6 +114,7 @@ class Engine:
             raise NotImplementedError(f"model_type {model_type!r} has no runtime model")
         threads = threads or os.cpu_count() or 1
         torch.set_num_threads(threads)
+        set_threads(threads)
         notice = (lambda msg: print(msg, file=sys.stderr)) if verbose else None
         engine = cls(directory, vault, None, None, None)
         if kernel in ("native", "native-int8"):

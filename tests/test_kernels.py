@@ -144,3 +144,17 @@ def test_vnni_q4_matches_its_int8_activation_reference(rows, cols, n, seed):
     step[:, :cols] = x.double()
     half = (step.view(n, -1, 32).abs().amax(-1, keepdim=True) / 254).expand(-1, -1, 32).reshape(n, -1)[:, :cols]
     assert ((torch.from_numpy(y).double() - exact).abs() <= half @ w.double().abs().T * 1.0001 + 1e-6).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 70), cols=st.integers(1, 300), n=st.integers(1, 6), seed=st.integers(0, 1000),
+       isa=st.sampled_from(ISAS))
+def test_linear_bf16_matches_float_reference(rows, cols, n, seed, isa):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g).bfloat16()
+    x = torch.randn(n, cols, generator=g)
+    y = np.zeros((n, rows), np.float32)
+    K.linear_bf16(isa, 2, w.view(torch.uint16).numpy(), x.numpy(), y)
+    ref = x.double() @ w.double().T  # bf16 widens exactly: the reference is the float product
+    bound = 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-6
+    assert ((torch.from_numpy(y).double() - ref).abs() <= bound).all()

@@ -11,7 +11,8 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
-from ..experts import ExpertExecutor, expert_ffn
+from ..experts import ExpertExecutor
+from ..ops import linear
 from ..kv_cache import KVCache
 from ..routing import ROUTERS
 from .base import Rotary, cached_attention, rms_norm
@@ -46,7 +47,8 @@ class Qwen3Moe:
         self.route = ROUTERS[arch["scoring_func"]]
         if arch["hidden_act"] != "silu":
             raise NotImplementedError(f"hidden_act {arch['hidden_act']!r} is not supported")
-        w = lambda name: weights[name].to(dtype)  # noqa: E731
+        # Matrices stay as stored (bf16: ops.linear widens them inside the dot product); norms are float32.
+        w = lambda name: weights[name] if weights[name].dim() == 2 else weights[name].to(dtype)  # noqa: E731
         self.embed = w("model.embed_tokens.weight")  # [V, H]
         self.norm = w("model.norm.weight")
         self.lm_head = self.embed if arch["tie_word_embeddings"] else w("lm_head.weight")
@@ -76,25 +78,26 @@ class Qwen3Moe:
     def attention(self, i: int, layer: Layer, x: torch.Tensor, start: int) -> torch.Tensor:
         t = x.shape[0]  # T new tokens, D head_dim
         positions = torch.arange(start, start + t)
-        q = rms_norm(F.linear(x, layer.q_proj).view(t, self.heads, self.head_dim), layer.q_norm, self.eps)
-        k = rms_norm(F.linear(x, layer.k_proj).view(t, self.kv_heads, self.head_dim), layer.k_norm, self.eps)
-        v = F.linear(x, layer.v_proj).view(t, self.kv_heads, self.head_dim)
+        q = rms_norm(linear(x, layer.q_proj).view(t, self.heads, self.head_dim), layer.q_norm, self.eps)
+        k = rms_norm(linear(x, layer.k_proj).view(t, self.kv_heads, self.head_dim), layer.k_norm, self.eps)
+        v = linear(x, layer.v_proj).view(t, self.kv_heads, self.head_dim)
         q, k = self.rotary.apply(q, positions), self.rotary.apply(k, positions)
         k_cache, v_cache = self.kv.store(i, start, k, v)
-        return F.linear(cached_attention(q, k_cache, v_cache, start, self.scale), layer.o_proj)  # [T, H]
+        return linear(cached_attention(q, k_cache, v_cache, start, self.scale), layer.o_proj)  # [T, H]
 
     def mlp(self, i: int, layer: Layer, x: torch.Tensor) -> torch.Tensor:
         if layer.mlp is not None:
-            return expert_ffn(x, *layer.mlp)  # a dense layer's MLP is the same SwiGLU
-        topk_weights, topk_ids = self.route(F.linear(x, layer.router), self.top_k, self.arch["norm_topk_prob"])
+            gate, up, down = layer.mlp
+            return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+        topk_weights, topk_ids = self.route(linear(x, layer.router), self.top_k, self.arch["norm_topk_prob"])
         return self.experts(i, x, topk_weights, topk_ids)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, start: int) -> torch.Tensor:
         """Logits [T, V] (float32) of tokens ids [T] at positions start..start+T-1; extends the KV cache."""
-        x = self.embed[ids]  # [T, H]
+        x = self.embed[ids].to(self.dtype)  # [T, H]
         for i, layer in enumerate(self.layers):
             x = x + self.attention(i, layer, rms_norm(x, layer.input_norm, self.eps), start)
             x = x + self.mlp(i, layer, rms_norm(x, layer.post_norm, self.eps))
         self.kv.length = start + ids.shape[0]
-        return F.linear(rms_norm(x, self.norm, self.eps), self.lm_head).float()
+        return linear(rms_norm(x, self.norm, self.eps), self.lm_head).float()

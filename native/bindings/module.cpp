@@ -101,6 +101,15 @@ void init_kernels(nb::module_& m) {
           nb::gil_scoped_release release;
           (QuantType(quant) == QuantType::Q4_G32 ? ks.q4 : ks.fp8)(a);
         });
+  k.def("linear_bf16", [](int isa, int threads, nb::ndarray<const uint16_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> w,
+                          Matrix x, OutMatrix y) {
+    // y[n, rows] = x[n, cols] @ w.T, w the bf16 bit patterns (viewed as uint16).
+    check(x.shape(1) == w.shape(1) && y.shape(1) == w.shape(0) && x.shape(0) == y.shape(0), "linear_bf16: shapes");
+    check(isa_available(Isa(isa)), "linear_bf16: this CPU lacks that ISA");
+    nb::gil_scoped_release release;
+    linear_bf16(w.data(), static_cast<int>(w.shape(0)), static_cast<int>(w.shape(1)), x.data(),
+                static_cast<int>(x.shape(0)), y.data(), threads, Isa(isa));
+  });
   k.def("stream_read", [](Bytes data, int threads) {
     nb::gil_scoped_release release;
     return stream_read(data.data(), data.shape(0), threads);

@@ -64,6 +64,10 @@ void moe_experts(const RecordLayout& layout, QuantType quant, const float* x, in
                  int n_tasks, float* y, float* scratch, Isa isa, int threads);
 uint64_t moe_scratch_floats(const RecordLayout& layout, int total_rows, int max_rows_per_task, int threads);
 
+// Y[n, rows] = X[n, cols] @ W.T with W in bf16 [rows, cols], float32 accumulation; rows over threads.
+// AVX-512 when isa allows it, else the scalar loop (the reference).
+void linear_bf16(const uint16_t* w, int rows, int cols, const float* x, int n, float* y, int threads, Isa isa);
+
 // Reads n bytes once, split over threads (the roofline for benchmarks); returns a checksum.
 double stream_read(const uint8_t* data, uint64_t n, int threads);
 
