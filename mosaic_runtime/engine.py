@@ -12,9 +12,11 @@ from typing import Iterator
 import torch
 from safetensors.torch import load_file
 
+from . import _native
 from .cache.store import ExpertStore
 from .experts import NativeExperts, TorchExperts
 from .generate import Detokenizer, TextCodec, sample
+from .kv_cache import KVCache
 from .models import MODELS
 from .ops import set_threads
 from .vault import open_vault
@@ -70,7 +72,7 @@ def ring_slots(vault, ram_budget: int | None, resident_bytes: int) -> int:
     """How many records the ring holds.
 
     With a budget: budget // record_bytes. Without: (MemAvailable - what the backbone and KV cache
-    already hold - MARGIN_BYTES) // record_bytes. Never more than the vault's records, never fewer than
+    are about to hold - MARGIN_BYTES) // record_bytes, taken before either is loaded. Never more than the vault's records, never fewer than
     one layer's top-k (else a layer could not run at all).
     """
     record, top_k = vault.header.record_bytes, vault.arch["num_experts_per_tok"]
@@ -116,25 +118,25 @@ class Engine:
         torch.set_num_threads(threads)
         set_threads(threads)
         notice = (lambda msg: print(msg, file=sys.stderr)) if verbose else None
-        engine = cls(directory, vault, None, None, None)
-        if kernel in ("native", "native-int8"):
+        if kernel == "torch":
+            store, experts = None, TorchExperts(vault.dequantize_expert)
+        elif kernel in ("native", "native-int8"):
             isa = None
             if kernel == "native-int8":
-                from . import _native
                 if not _native.kernels.isa_available(_native.kernels.AVX512_VNNI):
                     raise ValueError("kernel='native-int8' needs AVX-512 VNNI, which this CPU lacks")
                 isa = _native.kernels.AVX512_VNNI
-            experts = NativeExperts(None, threads, isa)  # the store is attached once the backbone is resident
-        elif kernel == "torch":
-            experts = TorchExperts(vault.dequantize_expert)
+            # Sized before the backbone loads, so MemAvailable does not already count it: the backbone
+            # stays as stored (its file size) and the KV cache is allocated for max_seq.
+            arch = vault.arch
+            resident = (directory / BACKBONE_FILE).stat().st_size + KVCache.bytes_for(
+                arch["num_hidden_layers"], max_seq, arch["num_key_value_heads"], arch["head_dim"])
+            store = ExpertStore(vault, ring_slots(vault, ram_budget, resident), io or DEFAULT_IO, notice=notice)
+            experts = NativeExperts(store, threads, isa)
         else:
             raise ValueError(f"kernel must be 'native', 'native-int8' or 'torch', not {kernel!r}")
-        engine.model = MODELS[model_type](vault.arch, load_file(directory / BACKBONE_FILE), experts, max_seq)
-        if kernel != "torch":
-            resident = sum(t.numel() * t.element_size() for t in engine.model.tensors()) + engine.model.kv.nbytes
-            engine.store = ExpertStore(vault, ring_slots(vault, ram_budget, resident), io or DEFAULT_IO,
-                                       notice=notice)
-            experts.attach(engine.store)
+        model = MODELS[model_type](vault.arch, load_file(directory / BACKBONE_FILE), experts, max_seq)
+        engine = cls(directory, vault, store, model, None)
         if (directory / "tokenizer.json").is_file():
             engine.codec = TextCodec(directory)
         return engine

@@ -10,8 +10,11 @@ from __future__ import annotations
 import time
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from . import _native
 
 ExpertWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # gate [I, H], up [I, H], down [H, I]
 
@@ -50,29 +53,20 @@ class NativeExperts:
     """
 
     def __init__(self, store, threads: int, isa: int | None = None):
-        import numpy as np
-
-        from . import _native
-        self._np, self._k = np, _native.kernels
-        self.threads = threads
+        self._k = _native.kernels
+        self.store, self.layout, self.threads = store, store.vault.layout, threads
         self.kernel_s = 0.0  # time inside the native call, for engine.stats
         self.isa = self._k.best_isa() if isa is None else isa
         self._scratch = np.zeros(0, np.float32)
-        if store is not None:
-            self.attach(store)
-
-    def attach(self, store) -> None:
-        self.store, self.layout = store, store.vault.layout
 
     def _scratch_for(self, total: int, max_n: int):
         need = self._k.scratch_floats(int(self.layout.quant), int(self.layout.scale_dtype), self.layout.hidden,
                                       self.layout.intermediate, total, max_n, self.threads)
         if self._scratch.shape[0] < need:
-            self._scratch = self._np.zeros(need, self._np.float32)
+            self._scratch = np.zeros(need, np.float32)
         return self._scratch
 
     def __call__(self, layer, x, topk_weights, topk_ids):
-        np = self._np
         ids = topk_ids.numpy()
         w = topk_weights.float().numpy()
         experts = np.unique(ids).tolist()  # ascending: the combine order

@@ -25,6 +25,7 @@ class KVCache:
     def reset(self) -> None:
         self.length = 0
 
-    @property
-    def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+    @staticmethod
+    def bytes_for(num_layers: int, max_seq: int, kv_heads: int, head_dim: int, itemsize: int = 4) -> int:
+        """What a cache of these dimensions holds (keys and values), before it is allocated."""
+        return 2 * num_layers * max_seq * kv_heads * head_dim * itemsize

@@ -65,16 +65,6 @@ class Qwen3Moe:
         self.kv = KVCache(len(self.layers), max_seq, self.kv_heads, self.head_dim, dtype)
         self.scale = self.head_dim ** -0.5
 
-    def tensors(self):
-        """Every backbone tensor the model holds (for memory accounting)."""
-        seen = {id(self.embed): self.embed, id(self.norm): self.norm, id(self.lm_head): self.lm_head}
-        for layer in self.layers:
-            for t in (layer.input_norm, layer.post_norm, layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj,
-                      layer.q_norm, layer.k_norm, layer.router, *(layer.mlp or ())):
-                if t is not None:
-                    seen[id(t)] = t
-        return list(seen.values())
-
     def attention(self, i: int, layer: Layer, x: torch.Tensor, start: int) -> torch.Tensor:
         t = x.shape[0]  # T new tokens, D head_dim
         positions = torch.arange(start, start + t)
