@@ -3,7 +3,7 @@ sequential O_DIRECT read of the same file in the same run.
 
     python benchmarks/reader_bench.py [--vault bench-data/out-q4] [--rounds 3]
 
-Reads go through the engine's own ExpertStore: groups of 8 distinct experts of one layer at a time (a
+Reads go through the engine's own ExpertStore and native ring: groups of 8 distinct experts of one layer at a time (a
 decode step's top-8), all misses (a ring of 8 slots, every group new), in a seeded random order, with
 the CRC-32 check every read gets. Run benchmarks/convert_bench.py first to make the vault.
 """
@@ -38,7 +38,9 @@ def read_all(vault, io: str, seed: int) -> float:
     random.Random(seed + 1).shuffle(groups)
     t = time.perf_counter()
     for layer, es in groups:
-        store.release(store.acquire(layer, es))
+        slots = store.acquire(layer, es)  # all TOP_K reads start at once on the ring's I/O threads
+        store.wait(slots)
+        store.release(slots)
         store.policy.where.clear()  # forget: every group is a miss
         store.policy.free = list(range(TOP_K))
     dt = time.perf_counter() - t

@@ -47,7 +47,8 @@ class TorchExperts:
 
 class NativeExperts:
     """Runs a layer's routed experts in the native kernel (mosaic_runtime._native) on whole records held
-    in the expert store's ring: weights are dequantised inside the kernel, never materialised.
+    in the expert store's ring: weights are dequantised inside the kernel, never materialised, and each
+    expert starts as soon as its record has arrived while the layer's other reads are still in flight.
 
     The kernel's scratch is allocated once for decode (one token) and grown at most once per larger prefill.
     """
@@ -85,12 +86,15 @@ class NativeExperts:
             scratch = self._scratch_for(sum(len(t) for t in tokens[part]), max(len(t) for t in tokens[part]))
             slots = self.store.acquire(layer, experts[part])
             try:
-                records = [self.store.ring.view(s) for s in slots]
-                t = time.perf_counter()
-                self._k.moe_experts(self.isa, self.threads, int(self.layout.quant), int(self.layout.scale_dtype),
-                                    self.layout.hidden, self.layout.intermediate, records, tokens[part],
-                                    weights[part], xs, y, scratch)
-                self.kernel_s += time.perf_counter() - t
+                # Each expert runs as soon as its record is in; a failed read voids the call (y untouched).
+                failed, wait_s, total_s = self._k.moe_experts_ring(
+                    self.isa, self.threads, int(self.layout.quant), int(self.layout.scale_dtype), self.layout.hidden,
+                    self.layout.intermediate, self.store.ring.native, np.asarray(slots, np.int32), tokens[part],
+                    weights[part], xs, y, scratch)
+                self.kernel_s += total_s - wait_s
+                self.store.finish(slots, wait_s)  # raises VaultError for a failed read
+                if failed >= 0:  # the kernel saw a slot with no record: a bookkeeping bug, never a result
+                    raise RuntimeError(f"layer {layer}: expert {experts[g0 + failed]}'s slot held no record")
             finally:
                 self.store.release(slots)
         return torch.from_numpy(y).to(x.dtype)

@@ -47,7 +47,7 @@ def test_logits_bit_identical_whatever_the_ring_size_and_io(model_dir):
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     direct_tiny = Engine.open(model_dir, ram_budget=2 * rec, io="direct", max_seq=64)
     assert all(torch.equal(x, y) for x, y in zip(a, run(direct_tiny)))
-    assert tiny.store.reader.mode == "buffered" and direct_tiny.store.reader.mode == "direct"
+    assert tiny.store.ring.mode == "buffered" and direct_tiny.store.ring.mode == "direct"
 
 
 def test_native_kernel_agrees_with_the_torch_reference(model_dir):
@@ -129,9 +129,12 @@ def test_direct_io_refused_falls_back_with_one_notice(model_dir, monkeypatch):
         return real_open(path, flags, *a)
     monkeypatch.setattr(os, "open", no_direct)
     notices = []
-    from mosaic_runtime.io import RecordReader
-    reader = RecordReader(model_dir / "experts.vault", "direct", notices.append)
-    assert reader.mode == "buffered" and len(notices) == 1 and "O_DIRECT" in notices[0]
+    engine = Engine.open(model_dir, ram_budget=1 << 30, io="direct", max_seq=64, verbose=False)
+    assert engine.store.ring.mode == "buffered"
+    from mosaic_runtime.io import open_for_reads
+    direct_fd, buffered_fd = open_for_reads(model_dir / "experts.vault", "direct", notices.append)
+    os.close(buffered_fd)
+    assert direct_fd == -1 and len(notices) == 1 and "O_DIRECT" in notices[0]
 
 
 @pytest.fixture(scope="module")
@@ -190,20 +193,17 @@ def test_template_sandbox_refuses_unsafe_code(chat_dir):
         engine.codec.render_chat([])
 
 
-def test_direct_read_refused_midway_falls_back(model_dir, monkeypatch):
-    from mosaic_runtime.io import RecordReader
+def test_direct_read_refused_midway_falls_back(model_dir):
+    """O_DIRECT accepted at open but a read refused (EINVAL): the I/O thread switches to buffered reads."""
+    import zlib
+    from mosaic_runtime.cache.ring import Ring, SlotState
     notices = []
-    reader = RecordReader(model_dir / "experts.vault", "direct", notices.append)
-    real = os.preadv
-    calls = []
-
-    def refuse_first(fd, bufs, offset):
-        if not calls:
-            calls.append(fd)
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real(fd, bufs, offset)
-    monkeypatch.setattr(os, "preadv", refuse_first)
-    buf = memoryview(bytearray(16384))
-    reader.read_into(buf, 0, 16384)
-    assert reader.mode == "buffered" and len(notices) == 1 and bytes(buf[:8]) == b"MOSAICV\0"
-    reader.close()
+    ring = Ring(model_dir / "experts.vault", 2, 16384, "direct", io_threads=1, notice=notices.append)
+    head = (model_dir / "experts.vault").read_bytes()[:1000]
+    assert ring.mode == "direct"
+    ring.submit(0, 0, 1000, zlib.crc32(head))  # 1000 bytes: not a multiple of the block size Direct I/O needs
+    assert ring.wait(0) == SlotState.IN_USE and bytes(ring.view(0)[:1000]) == head
+    ring.announce_fallback()
+    ring.announce_fallback()
+    assert ring.mode == "buffered" and len(notices) == 1
+    ring.close()

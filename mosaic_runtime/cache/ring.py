@@ -1,45 +1,81 @@
-"""The ring: a fixed set of page-aligned slots, allocated once, each holding one whole expert record.
+"""The ring: a fixed set of page-aligned slots allocated once, each holding one whole expert record, with
+an atomic state per slot and background I/O threads (native/src/expert_ring.cpp).
 
-The ring owns memory and slot states only; which record lives where is the policy's business
-(cache/policy.py) and moving bytes is the reader's (io.py).
+The ring owns memory, slot states and reads; which record lives where is the policy's business
+(cache/policy.py), and turning failed reads into errors is the store's (cache/store.py).
 """
 
 from __future__ import annotations
 
 import enum
-import mmap
 
 import numpy as np
 
+from .. import _native
+from ..io import open_for_reads
+
+_io = _native.io
+
 
 class SlotState(enum.IntEnum):
-    EMPTY = 0
-    LOADING = 1
-    READY = 2
-    IN_USE = 3  # pinned by a running layer: never evicted
+    EMPTY = _io.EMPTY
+    LOADING = _io.LOADING
+    READY = _io.READY
+    IN_USE = _io.IN_USE  # pinned by a running layer: never evicted
+    FAILED = _io.FAILED  # the last read failed (see failure()); emptied by the store
 
 
 class Ring:
-    def __init__(self, n_slots: int, slot_bytes: int):
+    def __init__(self, path, n_slots: int, slot_bytes: int, io: str, io_threads: int = 4, notice=None):
         if n_slots < 1:
             raise ValueError("a ring needs at least one slot")
+        direct_fd, buffered_fd = open_for_reads(path, io, notice)
+        self.path, self.notice, self._noticed = str(path), notice, False
+        self.native = _io.ExpertRing(direct_fd, buffered_fd, n_slots, slot_bytes, io_threads)
         self.n_slots, self.slot_bytes = n_slots, slot_bytes
-        # Anonymous mmap: page-aligned, as Direct I/O requires, and allocated once for the engine's life.
-        self._memory = mmap.mmap(-1, n_slots * slot_bytes)
-        self._array = np.frombuffer(self._memory, np.uint8).reshape(n_slots, slot_bytes)
-        self.state = np.zeros(n_slots, np.int8)  # SlotState per slot
+        self._direct = direct_fd >= 0
+        self._array = self.native.view()  # [n_slots, slot_bytes] uint8, no copy
+
+    @property
+    def mode(self) -> str:
+        """"direct" or "buffered": what reads use now (a refused Direct-I/O read switches to buffered)."""
+        return "direct" if self._direct and not self.native.fell_back else "buffered"
+
+    def announce_fallback(self) -> None:
+        """Call `notice` once if an I/O thread has had a Direct-I/O read refused and switched to buffered."""
+        if self._direct and not self._noticed and self.native.fell_back:
+            self._noticed = True
+            if self.notice is not None:
+                self.notice(f"mosaic: {self.path}: O_DIRECT read refused; reading experts through the page cache")
 
     def view(self, slot: int) -> np.ndarray:
         """The slot's bytes as a uint8 array (no copy)."""
         return self._array[slot]
 
-    def buffer(self, slot: int) -> memoryview:
-        return memoryview(self._memory)[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
+    def state(self, slot: int) -> SlotState:
+        return SlotState(self.native.state(slot))
+
+    def set_state(self, slot: int, state: SlotState) -> None:
+        self.native.set_state(slot, int(state))
+
+    def submit(self, slot: int, offset: int, length: int, crc32: int) -> None:
+        """Start reading a record into slot (LOADING, then IN_USE once its CRC-32 checks, or FAILED)."""
+        self.native.submit(slot, offset, length, crc32)
+
+    def wait(self, slot: int) -> SlotState:
+        return SlotState(self.native.wait(slot))
+
+    def failure(self, slot: int) -> tuple[int, bool, int, int, int]:
+        """(errno, bad_crc, offset, bytes done, length) of the slot's last failed read."""
+        return self.native.failure(slot)
 
     @property
     def address(self) -> int:
-        return self._array.ctypes.data
+        return self.native.address
 
     @property
     def nbytes(self) -> int:
         return self.n_slots * self.slot_bytes
+
+    def close(self) -> None:
+        self.native.shutdown()

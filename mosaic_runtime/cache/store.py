@@ -1,87 +1,103 @@
-"""The expert store: ring (memory) + LRU policy (decisions) + record reader (I/O), as the executor sees it.
+"""The expert store: ring (memory and reads) + LRU policy (decisions), as the executor sees it.
 
-`acquire(layer, experts)` returns the ring slots of all of a layer's experts, reading the missing ones
-concurrently (all at once, as soon as the router has named them) and checking each record's CRC-32
-before anything computes on it; the slots stay pinned until `release`.
+`acquire(layer, experts)` pins the ring slots of a layer's experts and starts reading the missing ones at
+once, all of them concurrently on the ring's I/O threads, as soon as the router has named them. The
+native kernel then runs each expert the moment its record has arrived (and passed its CRC-32 check);
+`finish` turns a failed read into a VaultError and empties that slot, so nothing computes on it.
 """
 
 from __future__ import annotations
 
+import errno as errno_names
+import os
 import time
-import zlib
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ..io import RecordReader
 from ..vault.format import Reason, VaultError
 from .policy import LRUPolicy
 from .ring import Ring, SlotState
+
+IO_THREADS = 4  # reads in flight at once; more did not help on this machine's disk (benchmarks/RESULTS.md)
 
 
 @dataclass
 class IOCounters:
     bytes_read: int = 0
     reads: int = 0
-    io_s: float = 0.0
+    io_s: float = 0.0  # time the kernel stood waiting for records (reads overlapped with compute excluded)
 
 
 class ExpertStore:
-    def __init__(self, vault, n_slots: int, io: str, io_threads: int = 4, notice=None):
+    def __init__(self, vault, n_slots: int, io: str, io_threads: int = IO_THREADS, notice=None):
         self.vault = vault
-        self.ring = Ring(n_slots, vault.header.record_bytes)
+        self.ring = Ring(vault.path, n_slots, vault.header.record_bytes, io, io_threads, notice)
         self.policy = LRUPolicy(n_slots)
-        self.reader = RecordReader(vault.path, io, notice)
-        self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="mosaic-io")
         self.io = IOCounters()
         self._pinned: set[int] = set()
-
-    def _load(self, key: tuple[int, int], slot: int) -> None:
-        entry = self.vault.entry(*key)
-        buf = self.ring.buffer(slot)
-        self.reader.read_into(buf, entry.offset, entry.length)
-        if zlib.crc32(buf[:entry.length]) != entry.crc32:
-            raise VaultError(Reason.BAD_CHECKSUM, "expert record CRC-32 does not match", path=str(self.vault.path),
-                             offset=entry.offset, layer=key[0], expert=key[1])
+        self._reading: dict[int, tuple[int, int]] = {}  # slot -> key, reads started by acquire
 
     def acquire(self, layer: int, experts: list[int]) -> list[int]:
-        """Slots holding the records of `experts` (in that order), pinned."""
-        slots, missing = [], []
+        """Slots for the records of `experts` (in that order), pinned; missing ones are being read."""
+        slots = []
         for e in experts:
-            slot = self.policy.lookup((layer, e))
+            key = (layer, e)
+            slot = self.policy.lookup(key)
             if slot is None:
-                slot = self.policy.place((layer, e), self._pinned)
-                self.ring.state[slot] = SlotState.LOADING
-                missing.append(((layer, e), slot))
+                slot = self.policy.place(key, self._pinned)
+                entry = self.vault.entry(layer, e)
+                self.ring.submit(slot, entry.offset, entry.length, entry.crc32)
+                self._reading[slot] = key
+                self.io.reads += 1
+            else:
+                self.ring.set_state(slot, SlotState.IN_USE)
             self._pinned.add(slot)
             slots.append(slot)
-        if missing:
-            t = time.perf_counter()
-            futures = [(key, slot, self.pool.submit(self._load, key, slot)) for key, slot in missing]
-            error = None
-            for key, slot, fut in futures:
-                try:
-                    fut.result()
-                    self.ring.state[slot] = SlotState.READY
-                except Exception as e:  # a failed read never reaches a kernel: the slot is emptied
-                    self.ring.state[slot] = SlotState.EMPTY
-                    self.policy.forget(key)
-                    error = error or e
-            self.io.io_s += time.perf_counter() - t
-            self.io.reads += len(missing)
-            self.io.bytes_read += len(missing) * self.ring.slot_bytes
-            if error is not None:
-                self.release(slots)
-                raise error
-        for slot in slots:
-            self.ring.state[slot] = SlotState.IN_USE
         return slots
+
+    def wait(self, slots: list[int]) -> None:
+        """Block until every slot's record has arrived; raise (after releasing them) if one failed."""
+        t = time.perf_counter()
+        for slot in slots:
+            self.ring.wait(slot)
+        self.io.io_s += time.perf_counter() - t
+        self.finish(slots)
+
+    def finish(self, slots: list[int], wait_s: float = 0.0) -> None:
+        """Account the reads of `slots` (all arrived or failed by now); raise VaultError for a failed one."""
+        self.io.io_s += wait_s
+        self.ring.announce_fallback()
+        error = None
+        for slot in slots:
+            key = self._reading.pop(slot, None)
+            if key is None:
+                continue
+            if self.ring.state(slot) == SlotState.FAILED:
+                self.ring.set_state(slot, SlotState.EMPTY)
+                self.policy.forget(key)  # its slot must not look valid to a later lookup
+                self._pinned.discard(slot)
+                error = error or self._read_error(key, *self.ring.failure(slot))
+            else:
+                self.io.bytes_read += self.ring.slot_bytes
+        if error is not None:
+            self.release(slots)
+            raise error
+
+    def _read_error(self, key, err: int, bad_crc: bool, offset: int, done: int, length: int) -> VaultError:
+        layer, expert = key
+        where = dict(path=str(self.vault.path), layer=layer, expert=expert)
+        if bad_crc:
+            return VaultError(Reason.BAD_CHECKSUM, "expert record CRC-32 does not match", offset=offset, **where)
+        if err:
+            name = errno_names.errorcode.get(err, str(err))
+            return VaultError(Reason.TRUNCATED, f"read of {length} bytes failed: {os.strerror(err)} ({name})",
+                              offset=offset + done, **where)
+        return VaultError(Reason.TRUNCATED, f"short read: {done} of {length} bytes", offset=offset + done, **where)
 
     def release(self, slots: list[int]) -> None:
         for slot in slots:
             self._pinned.discard(slot)
-            if self.ring.state[slot] == SlotState.IN_USE:
-                self.ring.state[slot] = SlotState.READY
+            if self.ring.state(slot) == SlotState.IN_USE:
+                self.ring.set_state(slot, SlotState.READY)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
-        self.reader.close()
+        self.ring.close()

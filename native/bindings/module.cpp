@@ -10,6 +10,8 @@
 #include <tuple>
 #include <vector>
 
+#include "mosaic/crc32.h"
+#include "mosaic/expert_ring.h"
 #include "mosaic/kernels.h"
 #include "mosaic/vault_format.h"
 
@@ -79,6 +81,32 @@ RecordLayout layout_of(uint32_t quant, uint32_t scale_dtype, uint32_t hidden, ui
   return record_layout(QuantType(quant), ScaleDtype(scale_dtype), hidden, intermediate);
 }
 
+// The tasks of one moe call, checked against x, y and scratch; kept across calls (no allocation per token).
+std::vector<ExpertTask>& build_tasks(const RecordLayout& layout, int isa, int threads, const std::vector<Ints>& tokens,
+                                     const std::vector<Floats1>& weights, const Matrix& x, const OutMatrix& y,
+                                     const Scratch& scratch) {
+  const size_t n = tokens.size();
+  const size_t hidden = layout.planes[4].rows;
+  check(weights.size() == n, "moe_experts: one weight list per token list");
+  check(x.shape(1) == hidden && y.shape(1) == hidden && x.shape(0) == y.shape(0), "moe_experts: x/y shape");
+  check(isa_available(Isa(isa)), "moe_experts: this CPU lacks that ISA");
+  thread_local std::vector<ExpertTask> tasks;
+  tasks.clear();
+  int total = 0, max_n = 0;
+  for (size_t i = 0; i < n; ++i) {
+    check(tokens[i].shape(0) == weights[i].shape(0), "moe_experts: tokens and weights differ in length");
+    const int cnt = static_cast<int>(tokens[i].shape(0));
+    for (int j = 0; j < cnt; ++j)
+      check(tokens[i].data()[j] >= 0 && static_cast<size_t>(tokens[i].data()[j]) < x.shape(0),
+            "moe_experts: token index out of range");
+    tasks.push_back({nullptr, tokens[i].data(), weights[i].data(), cnt});
+    total += cnt;
+    max_n = cnt > max_n ? cnt : max_n;
+  }
+  check(scratch.shape(0) >= moe_scratch_floats(layout, total, max_n, threads), "moe_experts: scratch too small");
+  return tasks;
+}
+
 void init_kernels(nb::module_& m) {
   nb::module_ k = m.def_submodule("kernels", "Expert FFN kernels (scalar reference, AVX2, AVX-512)");
   k.attr("SCALAR") = static_cast<int>(Isa::Scalar);
@@ -125,35 +153,101 @@ void init_kernels(nb::module_& m) {
            Matrix x, OutMatrix y, Scratch scratch) {
           // y[T, H] += routed experts; records/tokens/weights hold one entry per expert, in combine order.
           const RecordLayout layout = layout_of(quant, scale_dtype, hidden, intermediate);
-          const size_t n = records.size();
-          check(tokens.size() == n && weights.size() == n, "moe_experts: one token list and weight list per record");
-          check(x.shape(1) == hidden && y.shape(1) == hidden && x.shape(0) == y.shape(0), "moe_experts: x/y shape");
-          check(isa_available(Isa(isa)), "moe_experts: this CPU lacks that ISA");
-          thread_local std::vector<ExpertTask> tasks;  // capacity kept across calls: no allocation per token
-          tasks.clear();
-          int total = 0, max_n = 0;
-          for (size_t i = 0; i < n; ++i) {
-            check(records[i].shape(0) >= layout.payload_bytes, "moe_experts: record shorter than its layout");
-            check(tokens[i].shape(0) == weights[i].shape(0), "moe_experts: tokens and weights differ in length");
-            const int cnt = static_cast<int>(tokens[i].shape(0));
-            for (int j = 0; j < cnt; ++j)
-              check(tokens[i].data()[j] >= 0 && static_cast<size_t>(tokens[i].data()[j]) < x.shape(0),
-                    "moe_experts: token index out of range");
-            tasks.push_back({records[i].data(), tokens[i].data(), weights[i].data(), cnt});
-            total += cnt;
-            max_n = cnt > max_n ? cnt : max_n;
-          }
-          check(scratch.shape(0) >= moe_scratch_floats(layout, total, max_n, threads), "moe_experts: scratch too small");
+          check(records.size() == tokens.size(), "moe_experts: one token list and weight list per record");
+          for (const Bytes& r : records) check(r.shape(0) >= layout.payload_bytes, "moe_experts: record shorter than its layout");
+          std::vector<ExpertTask>& tasks = build_tasks(layout, isa, threads, tokens, weights, x, y, scratch);
+          for (size_t i = 0; i < records.size(); ++i) tasks[i].record = records[i].data();
           nb::gil_scoped_release release;
           moe_experts(layout, QuantType(quant), x.data(), static_cast<int>(hidden), tasks.data(),
                       static_cast<int>(tasks.size()), y.data(), scratch.data(), Isa(isa), threads);
         });
+  k.def("moe_experts_ring",
+        [](int isa, int threads, uint32_t quant, uint32_t scale_dtype, uint32_t hidden, uint32_t intermediate,
+           const ExpertRing& ring, Ints slots, const std::vector<Ints>& tokens, const std::vector<Floats1>& weights,
+           Matrix x, OutMatrix y, Scratch scratch) {
+          // As moe_experts, on records in ring slots that may still be arriving: each expert runs as soon as
+          // its read completes. Returns (-1 or the index of the expert whose read failed, wait_s, total_s).
+          const RecordLayout layout = layout_of(quant, scale_dtype, hidden, intermediate);
+          check(slots.shape(0) == tokens.size(), "moe_experts_ring: one token list and weight list per slot");
+          check(layout.record_bytes <= ring.slot_bytes(), "moe_experts_ring: records larger than the ring's slots");
+          std::vector<ExpertTask>& tasks = build_tasks(layout, isa, threads, tokens, weights, x, y, scratch);
+          for (size_t i = 0; i < tasks.size(); ++i) {
+            const int32_t s = slots.data()[i];
+            check(s >= 0 && static_cast<uint64_t>(s) < ring.n_slots(), "moe_experts_ring: slot out of range");
+            tasks[i].record = ring.slot(s);
+            tasks[i].slot = s;
+          }
+          MoeTiming timing;
+          int failed;
+          {
+            nb::gil_scoped_release release;
+            failed = moe_experts(layout, QuantType(quant), x.data(), static_cast<int>(hidden), tasks.data(),
+                                 static_cast<int>(tasks.size()), y.data(), scratch.data(), Isa(isa), threads, &ring,
+                                 &timing);
+          }
+          return std::make_tuple(failed, timing.wait_s, timing.total_s);
+        });
+}
+
+void init_io(nb::module_& m) {
+  nb::module_ io = m.def_submodule("io", "The expert ring: slots, atomic slot states, background record reads");
+  io.attr("EMPTY") = static_cast<int>(SlotState::Empty);
+  io.attr("LOADING") = static_cast<int>(SlotState::Loading);
+  io.attr("READY") = static_cast<int>(SlotState::Ready);
+  io.attr("IN_USE") = static_cast<int>(SlotState::InUse);
+  io.attr("FAILED") = static_cast<int>(SlotState::Failed);
+  io.def("crc32", [](Bytes data, uint32_t crc) { return crc32(crc, data.data(), data.shape(0)); },
+         nb::arg("data"), nb::arg("crc") = 0);
+  nb::class_<ExpertRing>(io, "ExpertRing")
+      .def(nb::init<int, int, uint64_t, uint64_t, int>(), nb::arg("direct_fd"), nb::arg("buffered_fd"),
+           nb::arg("n_slots"), nb::arg("slot_bytes"), nb::arg("io_threads"))
+      .def_prop_ro("n_slots", &ExpertRing::n_slots)
+      .def_prop_ro("slot_bytes", &ExpertRing::slot_bytes)
+      .def_prop_ro("address", [](const ExpertRing& r) { return reinterpret_cast<uintptr_t>(r.memory()); })
+      .def_prop_ro("fell_back", &ExpertRing::fell_back)
+      .def_prop_ro("bytes_read", &ExpertRing::bytes_read)
+      .def("view", [](nb::handle self) {
+            // The whole ring as a uint8 array [n_slots, slot_bytes] (no copy; keeps the ring alive).
+            ExpertRing& r = nb::cast<ExpertRing&>(self);
+            return nb::ndarray<nb::numpy, uint8_t, nb::ndim<2>>(r.memory(), {r.n_slots(), r.slot_bytes()}, self);
+          })
+      .def("state", [](const ExpertRing& r, uint64_t i) {
+            check(i < r.n_slots(), "slot out of range");
+            return static_cast<int>(r.state(i));
+          })
+      .def("set_state", [](ExpertRing& r, uint64_t i, int s) {
+            check(i < r.n_slots() && s >= 0 && s <= static_cast<int>(SlotState::Failed), "slot or state out of range");
+            r.set_state(i, SlotState(s));
+          })
+      .def("submit", [](ExpertRing& r, uint64_t i, uint64_t offset, uint64_t length, uint32_t crc) {
+            try {
+              r.submit(i, offset, length, crc);
+            } catch (const std::exception& e) {
+              throw nb::value_error(e.what());
+            }
+          })
+      .def("wait", [](const ExpertRing& r, uint64_t i) {
+            check(i < r.n_slots(), "slot out of range");
+            nb::gil_scoped_release release;
+            return static_cast<int>(r.wait(i));
+          })
+      .def("failure", [](const ExpertRing& r, uint64_t i) {
+            // (errno, bad_crc, offset, bytes done, length) of the last failed read into slot i.
+            check(i < r.n_slots(), "slot out of range");
+            const ReadFailure f = r.failure(i);
+            return std::make_tuple(f.error, f.bad_crc, f.offset, f.done, f.length);
+          })
+      .def("shutdown", [](ExpertRing& r) {
+            nb::gil_scoped_release release;
+            r.shutdown();
+          });
 }
 
 }  // namespace
 
 NB_MODULE(_native, m) {
-  m.doc() = "Mosaic native core: the format mirror and the expert kernels";
+  m.doc() = "Mosaic native core: the format mirror, the expert kernels and the expert ring";
   init_format(m);
   init_kernels(m);
+  init_io(m);
 }

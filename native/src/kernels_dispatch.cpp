@@ -1,8 +1,12 @@
 // Run-time ISA choice and the MoE driver: whole experts per thread, combined in task order.
 #include <omp.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <memory>
+#include <vector>
 
 #include "mosaic/kernels.h"
 
@@ -50,8 +54,32 @@ uint64_t moe_scratch_floats(const RecordLayout& layout, int total_rows, int max_
   return static_cast<uint64_t>(total_rows) * h + static_cast<uint64_t>(threads) * max_rows_per_task * (h + 2 * i);
 }
 
-void moe_experts(const RecordLayout& layout, QuantType quant, const float* x, int hidden, const ExpertTask* tasks,
-                 int n_tasks, float* y, float* scratch, Isa isa, int threads) {
+namespace {
+
+// Per-call bookkeeping kept across calls, so a decode step allocates nothing once warm.
+struct DriverState {
+  std::unique_ptr<std::atomic<uint8_t>[]> claimed;
+  std::vector<uint64_t> first_row;
+  int capacity = 0;
+  void reserve(int n) {
+    if (n > capacity) {
+      claimed.reset(new std::atomic<uint8_t>[n]);
+      capacity = n;
+    }
+    first_row.resize(n);
+  }
+};
+
+using Clock = std::chrono::steady_clock;
+
+double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+}  // namespace
+
+int moe_experts(const RecordLayout& layout, QuantType quant, const float* x, int hidden, const ExpertTask* tasks,
+                int n_tasks, float* y, float* scratch, Isa isa, int threads, const Arrivals* arrivals,
+                MoeTiming* timing) {
+  const Clock::time_point start = Clock::now();
   const IsaKernels k = kernels_for(isa);
   const MatvecFn matvec = quant == QuantType::Q4_G32 ? k.q4 : k.fp8;
   const Plane *gc = &layout.planes[0], *gs = &layout.planes[1], *uc = &layout.planes[2], *us = &layout.planes[3];
@@ -59,26 +87,61 @@ void moe_experts(const RecordLayout& layout, QuantType quant, const float* x, in
   const int inter = static_cast<int>(gc->rows);
   const ScaleDtype sdt = quant == QuantType::Q4_G32 ? ScaleDtype::F16 : layout.scale_dtype;
 
+  thread_local DriverState st;
+  st.reserve(n_tasks);
   int max_n = 0;
   uint64_t total = 0;
   for (int t = 0; t < n_tasks; ++t) {
+    st.first_row[t] = total;
+    st.claimed[t].store(0, std::memory_order_relaxed);
     max_n = tasks[t].n > max_n ? tasks[t].n : max_n;
     total += tasks[t].n;
   }
   float* outs = scratch;
   float* per_thread = scratch + total * hidden;
   const uint64_t thread_floats = static_cast<uint64_t>(max_n) * (hidden + 2 * inter);
+  std::atomic<int> failed{-1};
+  std::atomic<int64_t> wait_ns{0};
+  DriverState* shared = &st;
+
+  auto ready = [&](int t) {
+    return tasks[t].slot < 0 || arrivals == nullptr ? RecordStatus::Ready : arrivals->status(tasks[t].slot);
+  };
 
 #pragma omp parallel num_threads(threads)
   {
     float* xs = per_thread + omp_get_thread_num() * thread_floats;
     float* g = xs + static_cast<uint64_t>(max_n) * hidden;
     float* u = g + static_cast<uint64_t>(max_n) * inter;
-#pragma omp for schedule(dynamic, 1)
-    for (int t = 0; t < n_tasks; ++t) {
-      const ExpertTask& task = tasks[t];
-      uint64_t first = 0;
-      for (int j = 0; j < t; ++j) first += tasks[j].n;
+    for (;;) {
+      // Take the first unclaimed task whose record is here; sleep on the ring if none is yet.
+      const uint64_t epoch = arrivals ? arrivals->epoch() : 0;
+      int pick = -1;
+      bool left = false;
+      for (int t = 0; t < n_tasks && pick < 0; ++t) {
+        if (shared->claimed[t].load(std::memory_order_relaxed)) continue;
+        const RecordStatus rs = ready(t);
+        if (rs == RecordStatus::Pending) {
+          left = true;
+          continue;
+        }
+        if (shared->claimed[t].exchange(1)) continue;  // another thread got there first
+        if (rs == RecordStatus::Failed) {
+          int none = -1;
+          failed.compare_exchange_strong(none, t);
+          continue;
+        }
+        pick = t;
+      }
+      if (pick < 0) {
+        if (!left) break;
+        const Clock::time_point w = Clock::now();
+        arrivals->wait_past(epoch);
+        wait_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - w).count());
+        continue;
+      }
+      if (failed.load(std::memory_order_relaxed) >= 0) continue;  // the result is void: only drain
+      const ExpertTask& task = tasks[pick];
       for (int i = 0; i < task.n; ++i)
         std::memcpy(xs + static_cast<uint64_t>(i) * hidden, x + static_cast<uint64_t>(task.tokens[i]) * hidden,
                     sizeof(float) * hidden);
@@ -86,9 +149,15 @@ void moe_experts(const RecordLayout& layout, QuantType quant, const float* x, in
       matvec({rec + gc->offset, rec + gs->offset, sdt, inter, hidden, xs, hidden, task.n, g, inter});
       matvec({rec + uc->offset, rec + us->offset, sdt, inter, hidden, xs, hidden, task.n, u, inter});
       for (uint64_t i = 0; i < static_cast<uint64_t>(task.n) * inter; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-      matvec({rec + dc->offset, rec + ds->offset, sdt, hidden, inter, g, inter, task.n, outs + first * hidden, hidden});
+      matvec({rec + dc->offset, rec + ds->offset, sdt, hidden, inter, g, inter, task.n,
+              outs + shared->first_row[pick] * hidden, hidden});
     }
   }
+  if (timing) {
+    timing->wait_s = static_cast<double>(wait_ns.load()) * 1e-9 / (threads > 0 ? threads : 1);
+    timing->total_s = seconds(Clock::now() - start);
+  }
+  if (failed.load() >= 0) return failed.load();
   // Combine in task order: the same sums in the same order whatever the threads did.
   uint64_t row = 0;
   for (int t = 0; t < n_tasks; ++t)
@@ -98,6 +167,8 @@ void moe_experts(const RecordLayout& layout, QuantType quant, const float* x, in
       const float w = tasks[t].weights[i];
       for (int c = 0; c < hidden; ++c) dst[c] += w * src[c];
     }
+  if (timing) timing->total_s = seconds(Clock::now() - start);
+  return -1;
 }
 
 }  // namespace mosaic

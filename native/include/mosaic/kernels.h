@@ -54,14 +54,35 @@ struct ExpertTask {
   const int32_t* tokens;  // n indices into X
   const float* weights;   // n routing weights
   int n;
+  int64_t slot = -1;      // the record's slot in `arrivals`, or -1 when it is already resident
 };
 
-// Y[T, H] += the routed experts' outputs. Tasks are split over `threads` threads, whole experts each;
-// each task's output lands in its own scratch rows and is added to Y in task order, so the result never
-// depends on the thread count or on which expert finished first.
-// scratch: at least moe_scratch_floats(...) floats, allocated once by the caller.
-void moe_experts(const RecordLayout& layout, QuantType quant, const float* x, int hidden, const ExpertTask* tasks,
-                 int n_tasks, float* y, float* scratch, Isa isa, int threads);
+enum class RecordStatus : int { Pending = 0, Ready = 1, Failed = 2 };
+
+// Where records still being read announce themselves (the expert ring, expert_ring.h), so the driver can
+// start on the experts that have arrived while the rest are in flight.
+class Arrivals {
+ public:
+  virtual ~Arrivals() = default;
+  virtual uint64_t epoch() const = 0;                    // changes whenever a read completes
+  virtual RecordStatus status(int64_t slot) const = 0;
+  virtual void wait_past(uint64_t epoch) const = 0;       // sleep until epoch() differs from `epoch`
+};
+
+// Time the driver spent, for engine.stats.
+struct MoeTiming {
+  double wait_s = 0;   // threads idle waiting for records, averaged over threads
+  double total_s = 0;  // the whole call
+};
+
+// Y[T, H] += the routed experts' outputs. Tasks are split over `threads` threads, whole experts each, each
+// thread taking the first task whose record has arrived; each task's output lands in its own scratch rows
+// and is added to Y in task order, so the result never depends on the thread count or on arrival order.
+// Returns -1, or the index of a task whose record failed to arrive: then Y is left untouched and the call
+// returns once every other task is done. scratch: at least moe_scratch_floats(...) floats, allocated once.
+int moe_experts(const RecordLayout& layout, QuantType quant, const float* x, int hidden, const ExpertTask* tasks,
+                int n_tasks, float* y, float* scratch, Isa isa, int threads, const Arrivals* arrivals = nullptr,
+                MoeTiming* timing = nullptr);
 uint64_t moe_scratch_floats(const RecordLayout& layout, int total_rows, int max_rows_per_task, int threads);
 
 // Y[n, rows] = X[n, cols] @ W.T with W in bf16 [rows, cols], float32 accumulation; rows over threads.

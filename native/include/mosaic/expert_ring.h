@@ -1,0 +1,88 @@
+// The expert ring: slots allocated once (page-aligned, one whole record each), an atomic state per slot,
+// and background I/O threads that read records into slots and check their CRC-32 before marking them
+// usable. Which record lives in which slot is decided by the caller (the LRU policy); the ring only
+// moves bytes and publishes states.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "mosaic/kernels.h"
+
+namespace mosaic {
+
+enum class SlotState : int32_t { Empty = 0, Loading = 1, Ready = 2, InUse = 3, Failed = 4 };
+
+// Why a read failed, kept per slot until the slot is next submitted.
+struct ReadFailure {
+  int32_t error = 0;      // errno of the failed pread, or 0
+  bool bad_crc = false;   // the bytes arrived but their CRC-32 does not match the index
+  uint64_t offset = 0;    // file offset of the record
+  uint64_t done = 0;      // bytes read before the failure
+  uint64_t length = 0;    // bytes requested
+};
+
+class ExpertRing final : public Arrivals {
+ public:
+  // direct_fd: the vault opened with O_DIRECT (or F_NOCACHE), or -1; buffered_fd: opened plainly, used when
+  // direct_fd is -1 and as the fallback when a Direct-I/O read is refused (EINVAL). The ring owns both.
+  ExpertRing(int direct_fd, int buffered_fd, uint64_t n_slots, uint64_t slot_bytes, int io_threads);
+  ~ExpertRing() override;
+  ExpertRing(const ExpertRing&) = delete;
+  ExpertRing& operator=(const ExpertRing&) = delete;
+
+  // Stop the I/O threads (after the read in progress) and close the files; the memory stays until
+  // destruction, so views of it stay valid.
+  void shutdown();
+
+  uint64_t n_slots() const { return n_slots_; }
+  uint64_t slot_bytes() const { return slot_bytes_; }
+  uint8_t* slot(uint64_t i) const { return memory_ + i * slot_bytes_; }
+  uint8_t* memory() const { return memory_; }
+
+  SlotState state(uint64_t i) const { return SlotState(states_[i].load(std::memory_order_acquire)); }
+  void set_state(uint64_t i, SlotState s) { states_[i].store(static_cast<int32_t>(s), std::memory_order_release); }
+
+  // Queue a read of [offset, offset + length) into slot i; the slot becomes Loading, then InUse (or Failed).
+  // At most one read per slot is outstanding, so the queue (n_slots entries) never grows.
+  void submit(uint64_t i, uint64_t offset, uint64_t length, uint32_t crc);
+  SlotState wait(uint64_t i) const;  // block while slot i is Loading
+  ReadFailure failure(uint64_t i) const { return failures_[i]; }
+
+  bool direct() const { return direct_fd_ >= 0 && !fell_back_.load(); }
+  bool fell_back() const { return fell_back_.load(); }  // a Direct-I/O read was refused; buffered since
+  uint64_t bytes_read() const { return bytes_read_.load(); }
+
+  // Arrivals, for the MoE driver: which slots hold usable records, and a way to sleep until one more does.
+  uint64_t epoch() const override { return epoch_.load(std::memory_order_acquire); }
+  RecordStatus status(int64_t i) const override;
+  void wait_past(uint64_t epoch) const override;
+
+ private:
+  struct Request { uint64_t slot, offset, length; uint32_t crc; };
+  void worker();
+  bool read_all(const Request& r, ReadFailure& f);
+
+  int direct_fd_, buffered_fd_;
+  uint64_t n_slots_, slot_bytes_;
+  uint8_t* memory_ = nullptr;
+  std::unique_ptr<std::atomic<int32_t>[]> states_;
+  std::unique_ptr<ReadFailure[]> failures_;
+  std::vector<Request> queue_;  // circular, n_slots entries, allocated here once
+  uint64_t head_ = 0, count_ = 0;
+  bool stop_ = false;
+  std::atomic<bool> fell_back_{false};
+  std::atomic<uint64_t> bytes_read_{0};
+  std::atomic<uint64_t> epoch_{0};
+  mutable std::mutex mu_;
+  std::condition_variable work_cv_;
+  mutable std::condition_variable done_cv_;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace mosaic

@@ -1,0 +1,130 @@
+#include "mosaic/expert_ring.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <new>
+#include <stdexcept>
+#include <string>
+
+#include "mosaic/crc32.h"
+
+namespace mosaic {
+
+ExpertRing::ExpertRing(int direct_fd, int buffered_fd, uint64_t n_slots, uint64_t slot_bytes, int io_threads)
+    : direct_fd_(direct_fd), buffered_fd_(buffered_fd), n_slots_(n_slots), slot_bytes_(slot_bytes),
+      states_(new std::atomic<int32_t>[n_slots]), failures_(new ReadFailure[n_slots]), queue_(n_slots) {
+  if (n_slots == 0 || slot_bytes == 0 || slot_bytes % 4096 != 0)
+    throw std::invalid_argument("ExpertRing: need at least one slot of a whole number of 4 KiB pages");
+  // Anonymous mmap: page-aligned (Direct I/O needs it), allocated once for the ring's life.
+  void* p = mmap(nullptr, n_slots * slot_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) throw std::bad_alloc();
+  memory_ = static_cast<uint8_t*>(p);
+  for (uint64_t i = 0; i < n_slots; ++i) states_[i].store(0);
+  for (int t = 0; t < (io_threads > 0 ? io_threads : 1); ++t) threads_.emplace_back(&ExpertRing::worker, this);
+}
+
+ExpertRing::~ExpertRing() {
+  shutdown();
+  munmap(memory_, n_slots_ * slot_bytes_);
+}
+
+void ExpertRing::shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_) return;
+    stop_ = true;
+  }
+  work_cv_.notify_all();
+  done_cv_.notify_all();
+  for (std::thread& t : threads_) t.join();
+  threads_.clear();
+  if (direct_fd_ >= 0) close(direct_fd_);
+  if (buffered_fd_ >= 0) close(buffered_fd_);
+  direct_fd_ = buffered_fd_ = -1;
+}
+
+void ExpertRing::submit(uint64_t i, uint64_t offset, uint64_t length, uint32_t crc) {
+  if (i >= n_slots_ || length > slot_bytes_) throw std::out_of_range("ExpertRing::submit: slot or length out of range");
+  if (stop_) throw std::logic_error("ExpertRing::submit: the ring is shut down");
+  const SlotState s = state(i);
+  if (s == SlotState::Loading || s == SlotState::InUse)
+    throw std::logic_error("ExpertRing::submit: slot " + std::to_string(i) + " is busy");
+  set_state(i, SlotState::Loading);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_[(head_ + count_++) % n_slots_] = {i, offset, length, crc};
+  }
+  work_cv_.notify_one();
+}
+
+bool ExpertRing::read_all(const Request& r, ReadFailure& f) {
+  f = {0, false, r.offset, 0, r.length};
+  uint8_t* dst = slot(r.slot);
+  while (f.done < r.length) {
+    const bool use_direct = direct_fd_ >= 0 && !fell_back_.load(std::memory_order_relaxed);
+    const ssize_t got = pread(use_direct ? direct_fd_ : buffered_fd_, dst + f.done, r.length - f.done,
+                              static_cast<off_t>(r.offset + f.done));
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EINVAL && use_direct) {  // the filesystem accepted O_DIRECT at open but refuses the read
+        fell_back_.store(true);
+        continue;
+      }
+      f.error = errno;
+      return false;
+    }
+    if (got == 0) return false;  // end of file: the vault is shorter than its index says
+    f.done += static_cast<uint64_t>(got);
+  }
+  if (crc32(0, dst, r.length) != r.crc) {
+    f.bad_crc = true;
+    return false;
+  }
+  return true;
+}
+
+void ExpertRing::worker() {
+  for (;;) {
+    Request r;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      work_cv_.wait(lock, [this] { return stop_ || count_ > 0; });
+      if (stop_) return;
+      r = queue_[head_];
+      head_ = (head_ + 1) % n_slots_;
+      --count_;
+    }
+    const bool ok = read_all(r, failures_[r.slot]);
+    if (ok) bytes_read_.fetch_add(r.length);
+    set_state(r.slot, ok ? SlotState::InUse : SlotState::Failed);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      epoch_.fetch_add(1, std::memory_order_acq_rel);
+    }
+    done_cv_.notify_all();
+  }
+}
+
+SlotState ExpertRing::wait(uint64_t i) const {
+  std::unique_lock<std::mutex> lock(mu_);
+  done_cv_.wait(lock, [&] { return stop_ || state(i) != SlotState::Loading; });
+  return state(i);
+}
+
+RecordStatus ExpertRing::status(int64_t i) const {
+  switch (state(static_cast<uint64_t>(i))) {
+    case SlotState::Loading: return RecordStatus::Pending;
+    case SlotState::Failed: return RecordStatus::Failed;
+    case SlotState::Empty: return RecordStatus::Failed;  // nothing was asked for: never compute on it
+    default: return RecordStatus::Ready;
+  }
+}
+
+void ExpertRing::wait_past(uint64_t e) const {
+  std::unique_lock<std::mutex> lock(mu_);
+  done_cv_.wait(lock, [&] { return stop_ || epoch_.load(std::memory_order_acquire) != e; });
+}
+
+}  // namespace mosaic

@@ -1,0 +1,128 @@
+"""The native expert ring: reads into preallocated slots, CRC checks, and the MoE driver starting on the
+experts that have arrived while others are still being read."""
+
+import threading
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+from mosaic_runtime import _native
+from mosaic_runtime.cache.ring import Ring, SlotState
+from mosaic_runtime.vault.format import QuantType, ScaleDtype, record_layout
+from test_kernels import random_record, run_moe
+
+K = _native.kernels
+LAYOUT = record_layout(QuantType.Q4_G32, ScaleDtype.F16, 256, 128)
+
+
+@pytest.fixture(scope="module")
+def records_file(tmp_path_factory):
+    """Three records, each at a page-aligned offset, as in a vault's data section."""
+    records = [random_record(LAYOUT, seed) for seed in range(3)]
+    path = tmp_path_factory.mktemp("ring") / "records.bin"
+    path.write_bytes(b"".join(r.tobytes() for r in records))
+    return path, records
+
+
+def load(ring, slot, index, records, crc=None):
+    rec = records[index]
+    ring.submit(slot, index * LAYOUT.record_bytes, rec.size, zlib.crc32(rec) if crc is None else crc)
+    return ring.wait(slot)
+
+
+@pytest.mark.parametrize("io", ["direct", "buffered"])
+def test_reads_land_in_their_slots_checked(records_file, io):
+    path, records = records_file
+    ring = Ring(path, 3, LAYOUT.record_bytes, io)
+    for slot, index in ((2, 0), (0, 1), (1, 2)):
+        assert load(ring, slot, index, records) == SlotState.IN_USE
+    assert all(np.array_equal(ring.view(s), records[i]) for s, i in ((2, 0), (0, 1), (1, 2)))
+    assert ring.native.bytes_read == sum(r.size for r in records)
+    ring.set_state(0, SlotState.READY)  # released by its layer: may be refilled
+    assert load(ring, 0, 1, records, crc=zlib.crc32(records[1]) ^ 1) == SlotState.FAILED
+    err, bad_crc, offset, done, length = ring.failure(0)
+    assert bad_crc and offset == LAYOUT.record_bytes and done == length == records[1].size
+    ring.set_state(1, SlotState.READY)
+    ring.submit(1, 3 * LAYOUT.record_bytes - 4096, LAYOUT.record_bytes, 0)  # runs past the end of the file
+    assert ring.wait(1) == SlotState.FAILED and ring.failure(1)[3] == 4096
+    ring.close()
+
+
+def test_a_busy_slot_refuses_a_second_read(records_file):
+    path, records = records_file
+    ring = Ring(path, 1, LAYOUT.record_bytes, "buffered")
+    load(ring, 0, 0, records)  # IN_USE: pinned by a layer
+    with pytest.raises(ValueError, match="busy"):
+        ring.submit(0, 0, LAYOUT.record_bytes, 0)
+    ring.close()
+
+
+def test_native_crc32_is_zlibs():
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 79, 127, 128, 4097, 100_003):  # table tail and PCLMUL bulk
+        data = rng.integers(0, 256, n, dtype=np.uint8)
+        assert _native.io.crc32(data) == zlib.crc32(data.tobytes())
+        assert _native.io.crc32(data[n // 2:], _native.io.crc32(data[:n // 2])) == zlib.crc32(data.tobytes())
+
+
+def moe_on_ring(ring, slots, tokens, weights, x, y, threads=2):
+    total, max_n = sum(len(t) for t in tokens), max(len(t) for t in tokens)
+    scratch = np.zeros(K.scratch_floats(int(LAYOUT.quant), int(LAYOUT.scale_dtype), LAYOUT.hidden,
+                                        LAYOUT.intermediate, total, max_n, threads), np.float32)
+    out = {}
+
+    def call():
+        out["result"] = K.moe_experts_ring(K.best_isa(), threads, int(LAYOUT.quant), int(LAYOUT.scale_dtype),
+                                           LAYOUT.hidden, LAYOUT.intermediate, ring.native,
+                                           np.asarray(slots, np.int32), tokens, weights, x, y, scratch)
+    worker = threading.Thread(target=call)
+    worker.start()
+    return worker, scratch, out
+
+
+def routed(seed=1):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, LAYOUT.hidden), dtype=np.float32)
+    tokens = [np.array([0, 1], np.int32), np.array([1], np.int32), np.array([0], np.int32)]
+    weights = [np.array([0.5, 0.25], np.float32), np.array([0.75], np.float32), np.array([0.5], np.float32)]
+    return x, tokens, weights
+
+
+def test_kernel_runs_arrived_experts_while_a_read_is_in_flight(records_file):
+    path, records = records_file
+    ring = Ring(path, 3, LAYOUT.record_bytes, "buffered", io_threads=1)
+    load(ring, 0, 0, records)
+    load(ring, 1, 1, records)
+    ring.set_state(2, SlotState.LOADING)  # a read that has not landed yet
+    x, tokens, weights = routed()
+    y = np.zeros_like(x)
+    worker, scratch, out = moe_on_ring(ring, [0, 1, 2], tokens, weights, x, y)
+    deadline = time.monotonic() + 10
+    # The outputs of experts 0 and 1 (scratch rows 0..2) appear while expert 2's record is still missing.
+    while not (scratch[:3 * LAYOUT.hidden] != 0).reshape(3, -1).any(1).all() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert worker.is_alive() and not y.any()
+    ring.set_state(2, SlotState.EMPTY)
+    load(ring, 2, 2, records)  # the read lands: the kernel wakes and finishes
+    worker.join(10)
+    failed, wait_s, total_s = out["result"]
+    assert failed == -1 and wait_s > 0 and total_s >= wait_s
+    want = run_moe(LAYOUT, records, tokens, weights, x, K.best_isa(), 2)
+    assert np.array_equal(y, want)  # fixed combine order: arrival order changes no bit
+    ring.close()
+
+
+def test_failed_read_voids_the_layer(records_file):
+    path, records = records_file
+    ring = Ring(path, 3, LAYOUT.record_bytes, "buffered")
+    load(ring, 0, 0, records)
+    load(ring, 1, 1, records)
+    x, tokens, weights = routed()
+    y = np.zeros_like(x)
+    ring.submit(2, 2 * LAYOUT.record_bytes, records[2].size, zlib.crc32(records[2]) ^ 1)
+    worker, _, out = moe_on_ring(ring, [0, 1, 2], tokens, weights, x, y)
+    worker.join(10)
+    assert out["result"][0] == 2 and not y.any()  # no partial sum reaches y
+    ring.close()
