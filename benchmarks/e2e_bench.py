@@ -40,7 +40,7 @@ def worker(model: str, io: str, ram_budget: int | None, tokens: int) -> None:
         "bytes_read_per_token": s.bytes_read / (len(PROMPT) + len(out)),
         "active_expert_bytes": moe_layers * engine.arch["num_experts_per_tok"] * rec,
         "io_s": s.io_s, "kernel_s": s.kernel_s, "backbone_s": s.backbone_s,
-        "io_mode": engine.store.reader.mode, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "io_mode": engine.store.ring.mode, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }))
 
 
