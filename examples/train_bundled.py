@@ -1,0 +1,206 @@
+"""Train the bundled default model: a small Qwen3-MoE on this Python's own standard library.
+
+    python examples/train_bundled.py [--minutes 25] [--out examples/stdlib-moe]
+
+Data: every .py file of the standard library (site-packages excluded), in path order; a file goes to the
+held-out split when the CRC-32 of its relative path is 0 mod 20 (about 5 %). Beside plain source the
+training stream carries chat turns made from the library's own docstrings ("What does `json.dumps` do?"
+-> the docstring's first paragraph), so the chat template has something real to answer.
+
+Tokenizer: byte-level BPE trained with `tokenizers` on the training split. Model: `transformers`'
+Qwen3-MoE, trained from scratch on the CPU with the router's load-balancing loss. Everything is seeded;
+the wall-clock budget decides the number of steps, so the step count is recorded in the model card.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import math
+import random
+import sys
+import sysconfig
+import time
+import zlib
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+SEED = 0
+VOCAB = 4096
+SEQ = 256
+BATCH = 16
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CONFIG = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+              num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=16,
+              num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+              max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=True,
+              router_aux_loss_coef=0.01, output_router_logits=True,
+              bos_token_id=0, eos_token_id=2, pad_token_id=0)
+
+
+def stdlib_files() -> list[tuple[str, str]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for p in sorted(root.rglob("*.py")):
+        rel = p.relative_to(root).as_posix()
+        if "site-packages" in rel:
+            continue
+        try:
+            out.append((rel, p.read_text(encoding="utf-8")))
+        except (UnicodeDecodeError, OSError):
+            continue
+    return out
+
+
+def held_out(rel: str) -> bool:
+    return zlib.crc32(rel.encode()) % 20 == 0
+
+
+def module_name(rel: str) -> str:
+    name = rel[:-3].replace("/", ".")
+    return name[:-9] if name.endswith(".__init__") else name
+
+
+def chat_turns(rel: str, source: str) -> list[str]:
+    """One chat turn per documented public function or class: the question names it, the answer is the
+    first paragraph of its docstring."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    mod, turns = module_name(rel), []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+            doc = ast.get_docstring(node)
+            if doc:
+                answer = doc.strip().split("\n\n")[0].strip()
+                if 10 <= len(answer) <= 600:
+                    turns.append(f"<|im_start|>user\nWhat does `{mod}.{node.name}` do?<|im_end|>\n"
+                                 f"<|im_start|>assistant\n{answer}<|im_end|>\n")
+    return turns
+
+
+def train_tokenizer(texts: list[str]):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS, min_frequency=2,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def encode_all(tok, docs: list[str]) -> torch.Tensor:
+    eot = tok.token_to_id("<|endoftext|>")
+    ids: list[int] = []
+    for enc in tok.encode_batch(docs):
+        ids.extend(enc.ids)
+        ids.append(eot)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+@torch.no_grad()
+def perplexity(model, data: torch.Tensor, max_windows: int = 200) -> float:
+    """exp(mean next-token loss) over non-overlapping SEQ windows of data (the first max_windows)."""
+    model.eval()
+    n = min(max_windows, (len(data) - 1) // SEQ)
+    total, count = 0.0, 0
+    for i in range(0, n, BATCH):
+        rows = [data[j * SEQ:(j + 1) * SEQ + 1] for j in range(i, min(n, i + BATCH))]
+        batch = torch.stack(rows)
+        out = model(input_ids=batch[:, :-1], labels=batch[:, :-1].clone())
+        # transformers shifts labels itself: feed the window, score SEQ-1 predictions per row
+        total += out.loss.item() * batch.shape[0] * (SEQ - 1)
+        count += batch.shape[0] * (SEQ - 1)
+    model.train()
+    return math.exp(total / count)
+
+
+def sample(model, tok, prompt: str, n: int = 48) -> str:
+    ids = torch.tensor([tok.encode(prompt).ids])
+    out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=tok.token_to_id("<|im_end|>"))
+    return tok.decode(out[0, ids.shape[1]:].tolist())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--minutes", type=float, default=25.0, help="wall-clock training budget")
+    ap.add_argument("--out", type=Path, default=HERE / "stdlib-moe")
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    random.seed(SEED)
+    torch.manual_seed(SEED)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    files = stdlib_files()
+    train_docs, test_docs = [], []
+    for rel, text in files:
+        docs = [text] + chat_turns(rel, text)
+        (test_docs if held_out(rel) else train_docs).extend(docs)
+    random.shuffle(train_docs)
+    t0 = time.monotonic()
+    tok = train_tokenizer(train_docs)
+    train, test = encode_all(tok, train_docs), encode_all(tok, test_docs)
+    print(f"{len(files)} files; tokens: train {len(train):,}, held-out {len(test):,}; tokenizer "
+          f"{time.monotonic() - t0:.0f} s", flush=True)
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", **CONFIG))
+    params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    budget, warmup = args.minutes * 60, 100
+    gen = torch.Generator().manual_seed(SEED)
+    step, tokens_seen, start = 0, 0, time.monotonic()
+    while (elapsed := time.monotonic() - start) < budget:
+        # learning rate: linear warm-up, then cosine over the wall-clock budget
+        frac = elapsed / budget
+        lr = 3e-3 * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        starts = torch.randint(0, len(train) - SEQ - 1, (BATCH,), generator=gen)
+        batch = torch.stack([train[s:s + SEQ] for s in starts.tolist()])
+        out = model(input_ids=batch, labels=batch)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        tokens_seen += batch.numel()
+        if step % 50 == 0:
+            print(f"step {step}  {elapsed / 60:5.1f} min  loss {out.loss.item():.3f}  lr {lr:.2e}", flush=True)
+    train_minutes = (time.monotonic() - start) / 60
+
+    model.config.output_router_logits = False
+    ppl_test, ppl_train = perplexity(model, test), perplexity(model, train)
+    print(f"held-out perplexity {ppl_test:.2f} (train {ppl_train:.2f}, chance {VOCAB})", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16).save_pretrained(args.out)
+    tok.save(str(args.out / "tokenizer.json"))
+    (args.out / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None,
+        "pad_token": "<|endoftext|>", "model_max_length": CONFIG["max_position_embeddings"],
+        "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
+    model.float()
+    prompts = ["import os\n\n\ndef ", "class Queue:\n    \"\"\"", "    for key, value in ",
+               "<|im_start|>user\nWhat does `json.dumps` do?<|im_end|>\n<|im_start|>assistant\n"]
+    samples = [(p, sample(model, tok, p)) for p in prompts]
+    stats = {"python": sys.version.split()[0], "files": len(files), "train_tokens": len(train),
+             "held_out_tokens": len(test), "parameters": params, "steps": step, "tokens_seen": tokens_seen,
+             "train_minutes": round(train_minutes, 1), "threads": torch.get_num_threads(),
+             "held_out_perplexity": round(ppl_test, 2), "train_perplexity": round(ppl_train, 2),
+             "samples": [{"prompt": p, "completion": c} for p, c in samples]}
+    (args.out / "training.json").write_text(json.dumps(stats, indent=2) + "\n")
+    for p, c in samples:
+        print(f"--- {p!r}\n{c}")
+
+
+if __name__ == "__main__":
+    main()
