@@ -173,8 +173,17 @@ class Engine:
         return self.model.forward(ids, 0)
 
     def generate_ids(self, prompt_ids, *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-                     top_k: int = 0, seed: int | None = None, stop_ids=()) -> Iterator[int]:
-        """Token ids, one at a time, after prefilling prompt_ids from an empty cache."""
+                     top_k: int = 0, seed: int | None = None, stop_ids=(), cached: int = 0) -> Iterator[int]:
+        """Token ids, one at a time, after prefilling prompt_ids.
+
+        cached: how many leading positions of the KV cache to keep; prompt_ids continue from there (the
+        earlier turns of a conversation). 0 starts from an empty cache. On return (or when the caller
+        stops iterating) the cache holds every token that was fed: `self.model.kv.length` of them.
+        """
+        if not 0 <= cached <= self.model.kv.length:
+            raise ValueError(f"cached={cached} but the KV cache holds {self.model.kv.length} tokens")
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty: at least one new token is needed for the next logits")
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         stop = set(stop_ids) | set(self.arch.get("eos_token_ids") or [])
         s = self.stats
@@ -182,7 +191,7 @@ class Engine:
         if self.store is not None:  # io_s and kernel_s are per call; hits, misses and bytes since open
             self._io_mark, self._kernel_mark = self.store.io.io_s, self.model.experts.kernel_s
         t0 = time.perf_counter()
-        logits = self.logits(prompt_ids)[-1]
+        logits = self.model.forward(torch.as_tensor(list(prompt_ids), dtype=torch.long), cached)[-1]
         for n in range(max_new_tokens):
             token = sample(logits, temperature, top_p, top_k, gen)
             s.new_tokens += 1

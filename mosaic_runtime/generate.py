@@ -42,8 +42,14 @@ class TextCodec:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def token_id(self, token: str | dict | None) -> int | None:
+        """The id of a special token given as text (or as tokenizer_config's {"content": ...}), or None."""
+        if isinstance(token, dict):
+            token = token.get("content")
+        return self.tokenizer.token_to_id(token) if token else None
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: list[dict]) -> str:
         """The prompt text of a conversation, rendered by the checkpoint's template in a Jinja sandbox."""

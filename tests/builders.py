@@ -168,3 +168,21 @@ def random_qwen3_moe(path: Path, seed: int = 0, **overrides) -> Path:
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return path
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def add_chat_tokenizer(directory: Path, vocab_size: int = 300) -> None:
+    """A real byte-level BPE tokenizer.json and a tokenizer_config.json with a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["def add(a, b):\n    return a + b\n" * 20, "héllo wörld, ünïcode ✓" * 10], trainer)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE,
+                                                                "eos_token": "<|im_end|>"}))

@@ -8,7 +8,7 @@ import tracemalloc
 import pytest
 import torch
 
-from builders import flip_byte, random_qwen3_moe
+from builders import add_chat_tokenizer, flip_byte, random_qwen3_moe
 from mosaic_runtime import VaultError
 from mosaic_runtime.engine import Engine
 from mosaic_shatter.convert import convert
@@ -141,20 +141,9 @@ def test_direct_io_refused_falls_back_with_one_notice(model_dir, monkeypatch):
 def chat_dir(tmp_path_factory, model_dir):
     """The model directory plus a real byte-level BPE tokenizer and a chat template."""
     import shutil
-
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     d = tmp_path_factory.mktemp("chat") / "m"
     shutil.copytree(model_dir, d)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["def add(a, b):\n    return a + b\n" * 20, "héllo wörld, ünïcode ✓" * 10], trainer)
-    tok.save(str(d / "tokenizer.json"))
-    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "<|im_end|>"}))
+    add_chat_tokenizer(d)
     return d
 
 
@@ -207,3 +196,16 @@ def test_direct_read_refused_midway_falls_back(model_dir):
     ring.announce_fallback()
     assert ring.mode == "buffered" and len(notices) == 1
     ring.close()
+
+
+def test_a_layer_abandoned_mid_read_leaves_the_store_consistent(model_dir):
+    """Ctrl-C between the router and the kernel: reads in flight land, nothing stays pinned or unchecked."""
+    from mosaic_runtime.cache.ring import SlotState
+    engine = Engine.open(model_dir, ram_budget=1 << 30, max_seq=64)
+    want = run(Engine.open(model_dir, ram_budget=1 << 30, max_seq=64))
+    store = engine.store
+    slots = store.acquire(1, [0, 3, 5])  # reads submitted, the kernel never runs
+    store.release(slots)
+    assert not store._pinned and not store._reading
+    assert all(store.ring.state(s) == SlotState.READY for s in slots)
+    assert all(torch.equal(a, b) for a, b in zip(run(engine), want))

@@ -94,6 +94,16 @@ class ExpertStore:
         return VaultError(Reason.TRUNCATED, f"short read: {done} of {length} bytes", offset=offset + done, **where)
 
     def release(self, slots: list[int]) -> None:
+        """Unpin slots. Reads still in flight (a layer interrupted, say by Ctrl-C) are waited for first:
+        good records stay cached, failed ones are forgotten, so no slot is left LOADING or unchecked."""
+        pending = [slot for slot in slots if slot in self._reading]
+        if pending:
+            for slot in pending:
+                self.ring.wait(slot)
+            try:
+                self.finish(pending)
+            except VaultError:
+                pass  # the interrupted caller never reads these; the next reader of the expert will retry
         for slot in slots:
             self._pinned.discard(slot)
             if self.ring.state(slot) == SlotState.IN_USE:

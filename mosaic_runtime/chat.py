@@ -1,0 +1,69 @@
+"""A multi-turn conversation over one engine, keeping the KV cache across turns so that each turn
+prefills only the tokens that are new since the cache was filled."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from .generate import Detokenizer
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Conversation:
+    """Messages rendered with the checkpoint's chat template, and the exact tokens whose keys and values
+    the engine's cache holds (the prompts as fed, the answers as generated).
+
+    Each `ask` renders the whole conversation. When the text of the cached tokens is a prefix of it (a
+    template that renders earlier turns unchanged, and a lossless tokenizer), only the rest is tokenised
+    and prefilled. Otherwise the whole text is tokenised and the cache is kept up to the longest prefix
+    the two token lists share.
+    """
+
+    def __init__(self, engine, system: str | None = None):
+        if engine.codec is None or not engine.codec.chat_template:
+            raise ValueError("this model directory has no tokenizer.json with a chat template")
+        self.engine, self.system = engine, system
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
+        self.cached_ids: list[int] = []
+        self.engine.model.kv.reset()
+
+    def _prompt(self) -> tuple[list[int], int]:
+        """(the conversation's tokens, how many leading ones the cache already holds)."""
+        codec = self.engine.codec
+        text = codec.render_chat(self.messages)
+        cached_text = codec.decode(self.cached_ids, skip_special_tokens=False)
+        if self.cached_ids and text.startswith(cached_text) and len(text) > len(cached_text):
+            return self.cached_ids + codec.encode(text[len(cached_text):]), len(self.cached_ids)
+        ids = codec.encode(text)
+        return ids, min(common_prefix(self.cached_ids, ids), len(ids) - 1)
+
+    def ask(self, text: str, **sampling) -> Iterator[str]:
+        """Stream the answer to a user message. Stopping early (an interrupted answer) keeps what was said."""
+        codec, kv = self.engine.codec, self.engine.model.kv
+        self.messages.append({"role": "user", "content": text})
+        ids, keep = self._prompt()
+        detok, answer = Detokenizer(codec), []
+        stop = [i for i in (codec.token_id(codec.special.get("eos_token")),) if i is not None]
+        try:
+            for token in self.engine.generate_ids(ids[keep:], cached=keep, stop_ids=stop, **sampling):
+                answer.append(token)
+                piece = detok.push(token)
+                if piece:
+                    yield piece
+            tail = detok.flush()
+            if tail:
+                yield tail
+        finally:
+            self.cached_ids = (ids + answer)[:kv.length]
+            self.messages.append({"role": "assistant", "content": codec.decode(answer)})

@@ -1,0 +1,145 @@
+"""`mosaic chat MODEL_DIR`: an interactive, multi-turn chat on a converted model.
+
+On a terminal: a prompt, streamed answers, /reset, /stats, /quit, and Ctrl-C stopping the current answer
+(not the program). From a pipe: each input line is one user turn and its answer is printed as one line.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import click
+
+from .vault.format import VAULT_FILE, VaultError
+
+HELP = "/reset starts over, /stats shows the cache and speed, /quit leaves (Ctrl-C stops an answer)"
+
+
+def parse_size(text: str | None) -> int | None:
+    """'8G', '512M', '1.5GiB' or a byte count -> bytes."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise click.BadParameter(f"{text!r} is not a size such as 8G or 512M")
+    return int(float(m.group(1)) * 1024 ** " KMGT".index((m.group(2) or " ").upper()))
+
+
+def not_a_model_dir(path: Path) -> str | None:
+    """Why path cannot be chatted with, with the command that fixes it; None if it is a model directory."""
+    if (path / VAULT_FILE).is_file():
+        return None
+    if (path / "config.json").is_file():
+        out = path.with_name(path.name + "-q4")
+        return (f"{path} is a Hugging Face checkpoint, not a Mosaic model directory. Convert it once with:\n"
+                f"  mosaic-shatter convert {path} -o {out} --quant q4\n"
+                f"then run: mosaic chat {out}")
+    return f"{path} holds no {VAULT_FILE}: give a directory written by `mosaic-shatter convert`"
+
+
+def format_stats(engine) -> str:
+    s = engine.stats
+    layers = ", ".join(f"{layer}: {s.hits[layer]}/{s.misses[layer]}" for layer in s.hits)
+    ring = f"ring {engine.store.ring.n_slots} of {engine.vault.header.num_records} experts, " if engine.store else ""
+    return (f"last answer: {s.prompt_tokens} prompt tokens prefilled, {s.new_tokens} generated, "
+            f"TTFT {s.ttft_s * 1e3:.0f} ms, {s.tok_per_s:.1f} tok/s\n"
+            f"{ring}hit rate {s.hit_rate:.2f}, {s.bytes_read / 2**20:.1f} MiB read since start; "
+            f"time in I/O wait {s.io_s:.2f} s, expert kernel {s.kernel_s:.2f} s, backbone {s.backbone_s:.2f} s\n"
+            f"cache hits/misses per layer: {layers or '-'}")
+
+
+def run_turn(conversation, text: str, sampling: dict, out) -> bool:
+    """Stream one answer to out; False if Ctrl-C stopped it."""
+    answer = conversation.ask(text, **sampling)
+    try:
+        for piece in answer:
+            out.write(piece)
+            out.flush()
+    except KeyboardInterrupt:
+        answer.close()
+        out.write(" [stopped]")
+        return False
+    finally:
+        out.write("\n")
+        out.flush()
+    return True
+
+
+@click.group()
+def main() -> None:
+    """Mosaic: run Mixture-of-Experts models from an expert vault."""
+
+
+@main.command()
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option("--system", help="system message that opens the conversation")
+@click.option("--temperature", type=float, default=0.7, show_default=True, help="0 is greedy")
+@click.option("--top-p", type=float, default=0.9, show_default=True)
+@click.option("--max-tokens", type=int, default=256, show_default=True, help="longest answer")
+@click.option("--ram-budget", help="bytes for the expert ring, such as 8G (default: from available memory)")
+@click.option("--io", type=click.Choice(["direct", "buffered"]), help="expert reads (default: buffered)")
+@click.option("--max-seq", type=int, default=4096, show_default=True, help="longest conversation, in tokens")
+@click.option("--seed", type=int, default=None, help="seed for sampling")
+def chat(model, system, temperature, top_p, max_tokens, ram_budget, io, max_seq, seed) -> None:
+    """Chat with a model directory written by `mosaic-shatter convert`."""
+    from .chat import Conversation
+    from .engine import Engine
+
+    model = model.expanduser()
+    why = not_a_model_dir(model)
+    if why:
+        click.echo(f"mosaic: {why}", err=True)
+        sys.exit(2)
+    try:
+        engine = Engine.open(model, ram_budget=parse_size(ram_budget), io=io, max_seq=max_seq, verbose=True)
+        conversation = Conversation(engine, system)
+    except (VaultError, ValueError, NotImplementedError) as e:
+        click.echo(f"mosaic: {e}", err=True)
+        sys.exit(1)
+    sampling = dict(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+        click.echo(f"{model.name}: {engine.arch['model_type']}, {engine.vault.quant}. {HELP}")
+    with engine:
+        while True:
+            try:
+                line = input(">>> ") if interactive else sys.stdin.readline()
+            except KeyboardInterrupt:
+                click.echo()
+                continue
+            except EOFError:
+                line = ""
+                if interactive:
+                    click.echo()
+                break
+            if not interactive and not line:
+                break  # end of the pipe
+            text = line.strip()
+            if not text:
+                continue
+            if text == "/quit":
+                break
+            if text == "/reset":
+                conversation.reset()
+                click.echo("(conversation reset)")
+                continue
+            if text == "/stats":
+                click.echo(format_stats(engine))
+                continue
+            if text.startswith("/"):
+                click.echo(HELP)
+                continue
+            try:
+                run_turn(conversation, text, sampling, sys.stdout)
+            except ValueError as e:  # the conversation outgrew max_seq
+                click.echo(f"mosaic: {e}; /reset to start over", err=True)
+
+
+if __name__ == "__main__":
+    main()
