@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh machine:
-#   make demo   builds a small Qwen3-MoE checkpoint, probes, converts (Q4 and FP8), verifies and runs it
+#   make demo   shatters the bundled trained model (examples/stdlib-moe) to Q4 and FP8, verifies and runs it
 #   make test   runs the test suite
 # TORCH picks the torch build: the default is the CPU wheel CI uses; `make setup TORCH=torch` takes any.
 PYTHON ?= python3
@@ -28,11 +28,14 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 bench: setup
+	$(BIN)/pip install -q -e ".[bench]" --no-build-isolation
 	$(BIN)/python benchmarks/quant_error.py
 	$(BIN)/python benchmarks/convert_bench.py
 	$(BIN)/python benchmarks/kernel_bench.py
 	$(BIN)/python benchmarks/reader_bench.py
 	$(BIN)/python benchmarks/e2e_bench.py
+	$(BIN)/python benchmarks/quality_bench.py
+	$(BIN)/python benchmarks/routing_bench.py
 
 clean:
 	rm -rf $(VENV) build demo
