@@ -135,6 +135,8 @@ def chat(model, system, temperature, top_p, max_tokens, ram_budget, io, max_seq,
             if text.startswith("/"):
                 click.echo(HELP)
                 continue
+            if seed is not None:  # one seed per turn: reproducible, without every answer starting alike
+                sampling["seed"] = seed + sum(m["role"] == "user" for m in conversation.messages)
             try:
                 run_turn(conversation, text, sampling, sys.stdout)
             except ValueError as e:  # the conversation outgrew max_seq
