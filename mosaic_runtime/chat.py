@@ -46,7 +46,10 @@ class Conversation:
         if self.cached_ids and text.startswith(cached_text) and len(text) > len(cached_text):
             return self.cached_ids + codec.encode(text[len(cached_text):]), len(self.cached_ids)
         ids = codec.encode(text)
-        return ids, min(common_prefix(self.cached_ids, ids), len(ids) - 1)
+        keep = min(common_prefix(self.cached_ids, ids), len(ids) - 1)
+        if keep < len(self.cached_ids) and not getattr(self.engine.model.kv, "rewindable", True):
+            keep = 0  # a recurrent (DeltaNet) state cannot be cut back to a prefix: prefill afresh
+        return ids, keep
 
     def ask(self, text: str, **sampling) -> Iterator[str]:
         """Stream the answer to a user message. Stopping early (an interrupted answer) keeps what was said."""

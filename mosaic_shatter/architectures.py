@@ -122,15 +122,108 @@ def qwen3_moe_role(name: str) -> Role:
     return Role("backbone")
 
 
+# --- qwen3_next and qwen3_5_moe (hybrid: Gated DeltaNet + gated attention, shared experts) --------
+def _layer_types(cfg: dict, n_layers: int) -> list[str]:
+    """transformers' rule: the config's layer_types, else every full_attention_interval-th layer is full."""
+    if cfg.get("layer_types"):
+        types = list(cfg["layer_types"])
+        if len(types) != n_layers or set(types) - {"linear_attention", "full_attention"}:
+            raise UnsupportedModel(f"layer_types {types} does not give one known type per layer")
+        return types
+    every = int(_get(cfg, "full_attention_interval", default=4))
+    return ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n_layers)]
+
+
+def _hybrid_arch(cfg: dict, generation_cfg: dict | None, *, model_type: str, fused_projections: bool,
+                 always_moe: bool) -> dict:
+    n_layers = int(cfg["num_hidden_layers"])
+    n_experts = int(_get(cfg, "num_experts", default=0))
+    if always_moe:  # Qwen3.5: every layer is MoE and top-k weights are always renormalised
+        kinds, norm_topk = ["moe"] * n_layers, True
+    else:
+        step = int(_get(cfg, "decoder_sparse_step", default=1))
+        dense_only = set(_get(cfg, "mlp_only_layers", default=[]))
+        kinds = ["moe" if (i not in dense_only and n_experts > 0 and (i + 1) % step == 0) else "dense"
+                 for i in range(n_layers)]
+        norm_topk = bool(cfg.get("norm_topk_prob", True))
+    arch = common_arch(cfg, generation_cfg)
+    if "partial_rotary_factor" not in (cfg.get("rope_parameters") or {}) and "partial_rotary_factor" not in cfg:
+        arch["rope"]["partial_rotary_factor"] = 0.25  # transformers' default for both families
+    arch.update({
+        "model_type": model_type,
+        "layer_kinds": kinds,
+        "layer_types": _layer_types(cfg, n_layers),
+        "qk_norm": True,
+        "norm_offset": 1.0,  # zero-centred RMSNorm weights: x * (1 + w)
+        "attn_output_gate": True,
+        "linear_attention": {
+            "num_key_heads": int(cfg["linear_num_key_heads"]),
+            "num_value_heads": int(cfg["linear_num_value_heads"]),
+            "key_head_dim": int(cfg["linear_key_head_dim"]),
+            "value_head_dim": int(cfg["linear_value_head_dim"]),
+            "conv_kernel": int(_get(cfg, "linear_conv_kernel_dim", default=4)),
+            "projections": "fused_qkvz_ba" if fused_projections else "qkv_z_b_a",
+        },
+        "intermediate_size": int(_get(cfg, "intermediate_size", default=0)),
+        "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+        "num_experts": n_experts,
+        "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+        "norm_topk_prob": norm_topk,
+        "scoring_func": "softmax",
+        "shared_expert_intermediate_size": int(_get(cfg, "shared_expert_intermediate_size", default=0)),
+        "shared_expert_gate": True,
+    })
+    return arch
+
+
+def qwen3_next_arch(cfg: dict, generation_cfg: dict | None) -> dict:
+    return _hybrid_arch(cfg, generation_cfg, model_type="qwen3_next", fused_projections=True, always_moe=False)
+
+
+def qwen3_5_moe_arch(cfg: dict, generation_cfg: dict | None) -> dict:
+    """The multimodal checkpoint: the text model's settings sit in text_config."""
+    text = dict(cfg.get("text_config") or cfg)
+    for key in ("tie_word_embeddings", "architectures", "bos_token_id", "eos_token_id", "pad_token_id"):
+        if text.get(key) is None and cfg.get(key) is not None:
+            text[key] = cfg[key]
+    text.setdefault("tie_word_embeddings", False)
+    return _hybrid_arch(text, generation_cfg, model_type="qwen3_5_moe", fused_projections=False, always_moe=True)
+
+
+def qwen3_next_role(name: str) -> Role:
+    if name.startswith("mtp."):
+        return Role("drop")  # the multi-token-prediction head: text generation does not use it
+    return qwen3_moe_role(name)
+
+
+_TEXT_PREFIX = "model.language_model."
+
+
+def qwen3_5_moe_role(name: str) -> Role:
+    if name.startswith(("mtp.", "model.visual.")):
+        return Role("drop")  # the MTP head and the vision tower: text-only by default
+    if name.startswith(_TEXT_PREFIX):
+        name = "model." + name[len(_TEXT_PREFIX):]
+    return qwen3_moe_role(name)
+
+
+def qwen3_5_moe_backbone_name(name: str) -> str:
+    """The text model's own names (transformers' Qwen3_5MoeForCausalLM), without the multimodal prefix."""
+    return "model." + name[len(_TEXT_PREFIX):] if name.startswith(_TEXT_PREFIX) else name
+
+
 @dataclass(frozen=True)
 class Architecture:
     model_type: str
     arch_block: Callable[[dict, dict | None], dict]  # (config, generation_config) -> arch block
     role: Callable[[str], Role]  # tensor name -> what it is
+    backbone_name: Callable[[str], str] = lambda name: name  # source name -> name in backbone.safetensors
 
 
 ARCHITECTURES = {
     "qwen3_moe": Architecture("qwen3_moe", qwen3_moe_arch, qwen3_moe_role),
+    "qwen3_next": Architecture("qwen3_next", qwen3_next_arch, qwen3_next_role),
+    "qwen3_5_moe": Architecture("qwen3_5_moe", qwen3_5_moe_arch, qwen3_5_moe_role, qwen3_5_moe_backbone_name),
 }
 
 

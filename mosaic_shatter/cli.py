@@ -58,8 +58,19 @@ def probe_report(ckpt: Checkpoint, plan: Plan) -> dict:
         "fp8_passthrough": plan.fp8_passthrough(),
         "peak_ram_bytes": plan.peak_ram_bytes(WORKERS),
         "disk_bytes": {name: needed_disk_bytes(ckpt, plan, q) for name, q in QUANT_NAMES.items()},
+        "layer_types": arch.get("layer_types"),
+        "left_out": left_out(plan.dropped),
         "problems": plan.problems,
     }
+
+
+def left_out(dropped: list[str]) -> dict[str, int]:
+    """Tensors the text model does not use, counted by part: {"vision tower": n, "MTP head": n}."""
+    parts: dict[str, int] = {}
+    for name in dropped:
+        part = "vision tower" if name.startswith("model.visual.") else "MTP head" if name.startswith("mtp.") else "other"
+        parts[part] = parts.get(part, 0) + 1
+    return parts
 
 
 def _print_probe(r: dict) -> None:
@@ -70,7 +81,10 @@ def _print_probe(r: dict) -> None:
     echo(f"  source          {fmt['files']} safetensors file(s), experts {fmt['expert_dtype']} "
          f"({fmt['expert_layout']})" + (f", FP8 blocks {fmt['fp8_block']} scales {fmt['fp8_scale_dtype']}"
                                         if fmt["fp8_block"] else ""))
-    echo(f"  layers          {r['num_layers']} ({r['moe_layers']} MoE, {r['dense_layers']} dense)")
+    types = r["layer_types"] or []
+    mixers = (f"; {types.count('linear_attention')} linear-attention (Gated DeltaNet), "
+              f"{types.count('full_attention')} full-attention" if "linear_attention" in types else "")
+    echo(f"  layers          {r['num_layers']} ({r['moe_layers']} MoE, {r['dense_layers']} dense{mixers})")
     echo(f"  experts         {r['num_experts']} per MoE layer, top-{r['top_k']}, "
          f"norm_topk_prob {str(r['norm_topk_prob']).lower()}, shared experts "
          f"{r['shared_expert_intermediate_size'] or 'none'}")
@@ -83,6 +97,9 @@ def _print_probe(r: dict) -> None:
          f"{' (FP8 passes the source through bit-exactly)' if r['fp8_passthrough'] else ''}  "
          f"[{r['num_records']} records]")
     echo(f"  backbone bf16   {_size(r['backbone_bytes'])} ({r['backbone_tensors']} tensors)")
+    if r["left_out"]:
+        echo("  left out        " + ", ".join(f"{part} ({n} tensors)" for part, n in r["left_out"].items())
+             + ": text-only")
     echo(f"  convert needs   peak RAM ~{_size(r['peak_ram_bytes'])}; free disk Q4 {_size(r['disk_bytes']['q4'])}, "
          f"FP8 {_size(r['disk_bytes']['fp8'])}")
     if r["problems"]:

@@ -155,6 +155,9 @@ def make_plan(ckpt: Checkpoint) -> Plan:
             continue
         if role.kind == "backbone":
             continue
+        if role.kind == "drop":
+            plan.dropped.append(name)
+            continue
         if role.layer not in moe:
             problems.append(f"{name}: routed experts in layer {role.layer}, which the config says is "
                             f"{'dense' if role.layer < arch['num_hidden_layers'] else 'not a layer'}")
@@ -222,9 +225,9 @@ def make_plan(ckpt: Checkpoint) -> Plan:
             if info.dtype == FP8_DTYPE and (scale is None or len(info.shape) != 2 or fp8_block is None):
                 problems.append(f"{name}: FP8 tensor without a usable block scale")
                 continue
-            plan.backbone.append(BackboneTensor(name, "BF16", info.shape, info, scale))
+            plan.backbone.append(BackboneTensor(architecture.backbone_name(name), "BF16", info.shape, info, scale))
         elif info.dtype in ("I64", "I32"):
-            plan.backbone.append(BackboneTensor(name, info.dtype, info.shape, info))
+            plan.backbone.append(BackboneTensor(architecture.backbone_name(name), info.dtype, info.shape, info))
         else:
             problems.append(f"{name}: backbone dtype {info.dtype} is not supported")
     plan.backbone.sort(key=lambda t: t.name)

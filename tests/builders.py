@@ -186,3 +186,44 @@ def add_chat_tokenizer(directory: Path, vocab_size: int = 300) -> None:
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE,
                                                                 "eos_token": "<|im_end|>"}))
+
+
+HYBRID_BASE = dict(vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                   linear_value_head_dim=16, linear_conv_kernel_dim=4, moe_intermediate_size=32,
+                   shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-6,
+                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def tiny_hybrid(model_type: str, out: Path, seed: int = 0, **overrides) -> Path:
+    """A random Qwen3-Next or Qwen3.5-MoE checkpoint saved by transformers, in the on-disk layout of the
+    real releases: Qwen3.5 as the multimodal model (text_config, `model.language_model.` prefix, a vision
+    tower) with its routed experts fused in 3-D without a `.weight` suffix; both with an `mtp.` tensor."""
+    import transformers
+    torch.manual_seed(seed)
+    cfg = dict(HYBRID_BASE, **overrides)
+    if model_type == "qwen3_next":
+        model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**cfg, partial_rotary_factor=0.25))
+        prefix = "model."
+    else:
+        vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=cfg["hidden_size"])
+        model = transformers.Qwen3_5MoeForConditionalGeneration(
+            transformers.Qwen3_5MoeConfig(text_config=cfg, vision_config=vision))
+        prefix = "model.language_model."
+    with torch.no_grad():  # larger than the default init, so logits are far from ties
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.5 if any(s in name for s in ("norm", "A_log", "dt_bias")) else 0.2))
+    model.save_pretrained(out)
+    tensors = load_file(out / "model.safetensors")
+    if model_type == "qwen3_5_moe":
+        e, i = cfg["num_experts"], cfg["moe_intermediate_size"]
+        for layer in range(cfg["num_hidden_layers"]):
+            p = f"{prefix}layers.{layer}.mlp.experts."
+            gate_up = [torch.cat([tensors.pop(f"{p}{x}.gate_proj.weight"), tensors.pop(f"{p}{x}.up_proj.weight")])
+                       for x in range(e)]
+            tensors[p + "gate_up_proj"] = torch.stack(gate_up)  # [E, 2I, H], gate rows first
+            tensors[p + "down_proj"] = torch.stack([tensors.pop(f"{p}{x}.down_proj.weight") for x in range(e)])
+            assert tensors[p + "gate_up_proj"].shape[1] == 2 * i
+    tensors["mtp.fc.weight"] = torch.zeros(cfg["hidden_size"], 2 * cfg["hidden_size"])
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
