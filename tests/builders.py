@@ -97,6 +97,89 @@ def qwen3_moe_tensors(cfg: dict, fp8: bool) -> list[tuple[str, str, list[int]]]:
 _BYTES = {"BF16": 2, "F8_E4M3": 1, "F32": 4}
 
 
+def hybrid_tensors(cfg: dict, fp8: bool = False) -> list[tuple[str, str, list[int]]]:
+    """(name, dtype, shape) of every tensor of a Qwen3-Next or Qwen3.5/3.6-MoE checkpoint, as TENSORS.md
+    lists them: Qwen3.5 with its `model.language_model.` prefix, fused 3-D experts, F32 A_log and
+    DeltaNet norm, vision tower; both with the MTP layer (per-expert)."""
+    assert not fp8, "the FP8 hybrid release is not built here"
+    qwen35 = cfg["model_type"] == "qwen3_5_moe"
+    t = cfg.get("text_config", cfg)
+    h, inter, n_exp, v = t["hidden_size"], t["moe_intermediate_size"], t["num_experts"], t["vocab_size"]
+    heads, kv, hd = t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
+    hk, hv, dk, dv = t["linear_num_key_heads"], t["linear_num_value_heads"], t["linear_key_head_dim"], t["linear_value_head_dim"]
+    shared, conv_k = t["shared_expert_intermediate_size"], t["linear_conv_kernel_dim"]
+    every = t.get("full_attention_interval", 4)
+    types = t.get("layer_types") or ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                                     for i in range(t["num_hidden_layers"])]
+    f32 = "F32" if qwen35 else "BF16"
+    prefix = "model.language_model." if qwen35 else "model."
+    out = [(prefix + "embed_tokens.weight", "BF16", [v, h]), (prefix + "norm.weight", "BF16", [h]),
+           ("lm_head.weight", "BF16", [v, h])]
+
+    def attention(p):
+        return [(p + "self_attn.q_proj.weight", "BF16", [2 * heads * hd, h]),
+                (p + "self_attn.k_proj.weight", "BF16", [kv * hd, h]), (p + "self_attn.v_proj.weight", "BF16", [kv * hd, h]),
+                (p + "self_attn.o_proj.weight", "BF16", [h, heads * hd]),
+                (p + "self_attn.q_norm.weight", "BF16", [hd]), (p + "self_attn.k_norm.weight", "BF16", [hd])]
+
+    def moe(p, fused):
+        rows = [(p + "input_layernorm.weight", "BF16", [h]), (p + "post_attention_layernorm.weight", "BF16", [h]),
+                (p + "mlp.gate.weight", "BF16", [n_exp, h]), (p + "mlp.shared_expert_gate.weight", "BF16", [1, h]),
+                (p + "mlp.shared_expert.gate_proj.weight", "BF16", [shared, h]),
+                (p + "mlp.shared_expert.up_proj.weight", "BF16", [shared, h]),
+                (p + "mlp.shared_expert.down_proj.weight", "BF16", [h, shared])]
+        if fused:
+            return rows + [(p + "mlp.experts.gate_up_proj", "BF16", [n_exp, 2 * inter, h]),
+                           (p + "mlp.experts.down_proj", "BF16", [n_exp, h, inter])]
+        for e in range(n_exp):
+            q = f"{p}mlp.experts.{e}."
+            rows += [(q + "gate_proj.weight", "BF16", [inter, h]), (q + "up_proj.weight", "BF16", [inter, h]),
+                     (q + "down_proj.weight", "BF16", [h, inter])]
+        return rows
+
+    channels = 2 * hk * dk + hv * dv
+    for i, kind in enumerate(types):
+        p = f"{prefix}layers.{i}."
+        if kind == "full_attention":
+            out += attention(p)
+        else:
+            la = p + "linear_attn."
+            if qwen35:
+                out += [(la + "in_proj_qkv.weight", "BF16", [channels, h]), (la + "in_proj_z.weight", "BF16", [hv * dv, h]),
+                        (la + "in_proj_b.weight", "BF16", [hv, h]), (la + "in_proj_a.weight", "BF16", [hv, h])]
+            else:
+                out += [(la + "in_proj_qkvz.weight", "BF16", [2 * hk * dk + 2 * hv * dv, h]),
+                        (la + "in_proj_ba.weight", "BF16", [2 * hv, h])]
+            out += [(la + "conv1d.weight", "BF16", [channels, 1, conv_k]), (la + "A_log", f32, [hv]),
+                    (la + "dt_bias", "BF16", [hv]), (la + "norm.weight", f32, [dv]),
+                    (la + "out_proj.weight", "BF16", [h, hv * dv])]
+        out += moe(p, fused=qwen35)
+    out += [("mtp.fc.weight", "BF16", [h, 2 * h]), ("mtp.norm.weight", "BF16", [h]),
+            ("mtp.pre_fc_norm_embedding.weight", "BF16", [h]), ("mtp.pre_fc_norm_hidden.weight", "BF16", [h])]
+    out += attention("mtp.layers.0.") + moe("mtp.layers.0.", fused=False)
+    if qwen35:
+        vis = cfg["vision_config"]
+        vh, vi, depth = vis["hidden_size"], vis["intermediate_size"], vis["depth"]
+        out += [("model.visual.patch_embed.proj.weight", "BF16", [vh, 3, 2, 16, 16]),
+                ("model.visual.patch_embed.proj.bias", "BF16", [vh]),
+                ("model.visual.pos_embed.weight", "BF16", [vis.get("num_position_embeddings", 2304), vh])]
+        for b in range(depth):
+            q = f"model.visual.blocks.{b}."
+            out += [(q + "norm1.weight", "BF16", [vh]), (q + "norm1.bias", "BF16", [vh]), (q + "norm2.weight", "BF16", [vh]),
+                    (q + "norm2.bias", "BF16", [vh]), (q + "attn.qkv.weight", "BF16", [3 * vh, vh]),
+                    (q + "attn.qkv.bias", "BF16", [3 * vh]), (q + "attn.proj.weight", "BF16", [vh, vh]),
+                    (q + "attn.proj.bias", "BF16", [vh]), (q + "mlp.linear_fc1.weight", "BF16", [vi, vh]),
+                    (q + "mlp.linear_fc1.bias", "BF16", [vi]), (q + "mlp.linear_fc2.weight", "BF16", [vh, vi]),
+                    (q + "mlp.linear_fc2.bias", "BF16", [vh])]
+        merged = 4 * vh
+        out += [("model.visual.merger.norm.weight", "BF16", [vh]), ("model.visual.merger.norm.bias", "BF16", [vh]),
+                ("model.visual.merger.linear_fc1.weight", "BF16", [merged, merged]),
+                ("model.visual.merger.linear_fc1.bias", "BF16", [merged]),
+                ("model.visual.merger.linear_fc2.weight", "BF16", [h, merged]),
+                ("model.visual.merger.linear_fc2.bias", "BF16", [h])]
+    return out
+
+
 def write_sparse_safetensors(path: Path, tensors: list[tuple[str, str, list[int]]]) -> None:
     """A real safetensors header followed by a hole as large as the data would be."""
     meta, at = {"__metadata__": {"format": "pt"}}, 0
@@ -120,7 +203,8 @@ def skeleton(config_name: str, out: Path, *, shard_bytes: int = 5 << 30) -> Path
     fp8 = (cfg.get("quantization_config") or {}).get("quant_method") == "fp8"
     out.mkdir(parents=True, exist_ok=True)
     shards, current, size = [], [], 0
-    for t in qwen3_moe_tensors(cfg, fp8):
+    tensors = hybrid_tensors if cfg["model_type"] in ("qwen3_next", "qwen3_5_moe") else qwen3_moe_tensors
+    for t in tensors(cfg, fp8):
         n = _BYTES[t[1]]
         for s in t[2]:
             n *= s
