@@ -47,6 +47,9 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      scale: float) -> torch.Tensor:
     """Causal GQA attention of T new queries at positions start..start+T-1 over cache[:start+T].
 
+    The query heads of one KV head are folded into the query rows, so keys and values are read in place,
+    never repeated per query head (at 32k tokens that copy would cost more than the attention).
+
     Args:
         q: [T, Hq, D]; k_cache, v_cache: [S, Hkv, D] holding the keys/values up to start+T.
     Returns:
@@ -55,13 +58,12 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     t, hq, d = q.shape
     end = start + t
     hkv = k_cache.shape[1]
+    rep = hq // hkv  # query head j reads KV head j // rep
     k = k_cache[:end].transpose(0, 1)  # [Hkv, S, D]
     v = v_cache[:end].transpose(0, 1)
-    qh = q.transpose(0, 1)  # [Hq, T, D]
-    if hkv != hq:  # grouped-query attention: each kv head serves hq/hkv query heads
-        k = k.repeat_interleave(hq // hkv, dim=0)
-        v = v.repeat_interleave(hq // hkv, dim=0)
-    # Query i sees keys 0..start+i.
-    mask = torch.ones(t, end, dtype=torch.bool).tril(diagonal=start)
-    out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)  # [Hq, T, D]
-    return out.transpose(0, 1).reshape(t, hq * d)
+    qh = q.reshape(t, hkv, rep, d).permute(1, 2, 0, 3).reshape(hkv, rep * t, d)  # rows: (r, t)
+    mask = None
+    if t > 1:  # query i sees keys 0..start+i; one token sees them all
+        mask = torch.ones(t, end, dtype=torch.bool).tril(diagonal=start).repeat(rep, 1)
+    out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)  # [Hkv, rep*T, D]
+    return out.reshape(hkv, rep, t, d).permute(2, 0, 1, 3).reshape(t, hq * d)
