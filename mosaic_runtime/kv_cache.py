@@ -20,7 +20,9 @@ class KVCache:
                  page_tokens: int = PAGE_TOKENS):
         self.max_seq, self.page_tokens = max_seq, page_tokens
         n_pages = -(-max_seq // page_tokens)
-        self.k = torch.zeros(num_layers, n_pages, page_tokens, kv_heads, head_dim, dtype=dtype)  # the pool
+        # The pool, head-major so that one head's keys over a run of pages are contiguous: attention reads
+        # them in place.
+        self.k = torch.zeros(num_layers, kv_heads, n_pages, page_tokens, head_dim, dtype=dtype)
         self.v = torch.zeros_like(self.k)
         self.free = list(range(n_pages))  # a heap: lowest page first
         self.pages: list[int] = []  # the sequence's page table: logical page -> pool page
@@ -34,24 +36,25 @@ class KVCache:
             self.pages.append(heapq.heappop(self.free))
 
     def _span(self, pool: torch.Tensor, layer: int, end: int) -> torch.Tensor:
-        """Positions 0..end-1 of one layer as [end, Hkv, D]: a view when the pages are one ascending run."""
+        """Positions 0..end-1 of one layer as [Hkv, end, D]: a view when the pages are one ascending run."""
         n = -(-end // self.page_tokens)
         first, pages = self.pages[0], self.pages[:n]
+        heads, dim = pool.shape[1], pool.shape[4]
         if pages == list(range(first, first + n)):
-            return pool[layer, first:first + n].reshape(-1, *pool.shape[3:])[:end]
-        return pool[layer, pages].reshape(-1, *pool.shape[3:])[:end]
+            return pool[layer, :, first:first + n].reshape(heads, -1, dim)[:, :end]
+        return pool[layer][:, pages].reshape(heads, -1, dim)[:, :end]
 
     def store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [T, Hkv, D] at positions start..start+T-1; return the layer's keys and values for
-        positions 0..start+T-1."""
+        positions 0..start+T-1, head-major: [Hkv, start+T, D]."""
         end = start + k.shape[0]
         self._reserve(end)
         pos = start
         while pos < end:  # page by page
             page, offset = divmod(pos, self.page_tokens)
             n = min(self.page_tokens - offset, end - pos)
-            self.k[layer, self.pages[page], offset:offset + n] = k[pos - start:pos - start + n]
-            self.v[layer, self.pages[page], offset:offset + n] = v[pos - start:pos - start + n]
+            self.k[layer, :, self.pages[page], offset:offset + n] = k[pos - start:pos - start + n].transpose(0, 1)
+            self.v[layer, :, self.pages[page], offset:offset + n] = v[pos - start:pos - start + n].transpose(0, 1)
             pos += n
         return self._span(self.k, layer, end), self._span(self.v, layer, end)
 

@@ -279,7 +279,7 @@ HYBRID_BASE = dict(vocab_size=320, hidden_size=64, num_hidden_layers=4, num_atte
                    bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
-def tiny_hybrid(model_type: str, out: Path, seed: int = 0, **overrides) -> Path:
+def tiny_hybrid(model_type: str, out: Path, seed: int = 0, dtype=torch.float32, **overrides) -> Path:
     """A random Qwen3-Next or Qwen3.5-MoE checkpoint saved by transformers, in the on-disk layout of the
     real releases: Qwen3.5 as the multimodal model (text_config, `model.language_model.` prefix, a vision
     tower) with its routed experts fused in 3-D without a `.weight` suffix; both with an `mtp.` tensor."""
@@ -297,7 +297,7 @@ def tiny_hybrid(model_type: str, out: Path, seed: int = 0, **overrides) -> Path:
     with torch.no_grad():  # larger than the default init, so logits are far from ties
         for name, p in model.named_parameters():
             p.copy_(torch.randn_like(p) * (0.5 if any(s in name for s in ("norm", "A_log", "dt_bias")) else 0.2))
-    model.save_pretrained(out)
+    model.to(dtype).save_pretrained(out)
     tensors = load_file(out / "model.safetensors")
     if model_type == "qwen3_5_moe":
         e, i = cfg["num_experts"], cfg["moe_intermediate_size"]

@@ -24,8 +24,8 @@ def test_pages_hold_what_a_dense_cache_would(chunks, page, shuffled, seed):
         dense_k[start:start + n], dense_v[start:start + n] = k, v
         for layer in (0, 1):
             got_k, got_v = cache.store(layer, start, k * (layer + 1), v * (layer + 1))
-            assert torch.equal(got_k, dense_k[:start + n] * (layer + 1))
-            assert torch.equal(got_v, dense_v[:start + n] * (layer + 1))
+            assert torch.equal(got_k, dense_k[:start + n].transpose(0, 1) * (layer + 1))  # head-major
+            assert torch.equal(got_v, dense_v[:start + n].transpose(0, 1) * (layer + 1))
         start += n
     assert cache.pages_in_use == -(-total // page) and cache.k.data_ptr() == pool  # grew by pages, in place
 

@@ -51,19 +51,20 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     never repeated per query head (at 32k tokens that copy would cost more than the attention).
 
     Args:
-        q: [T, Hq, D]; k_cache, v_cache: [S, Hkv, D] holding the keys/values up to start+T.
+        q: [T, Hq, D]; k_cache, v_cache: [Hkv, S, D] (head-major, as the KV cache returns them), holding
+            the keys/values up to start+T.
     Returns:
         [T, Hq * D]
     """
     t, hq, d = q.shape
     end = start + t
-    hkv = k_cache.shape[1]
+    hkv = k_cache.shape[0]
     rep = hq // hkv  # query head j reads KV head j // rep
-    k = k_cache[:end].transpose(0, 1)  # [Hkv, S, D]
-    v = v_cache[:end].transpose(0, 1)
+    k, v = k_cache[:, :end], v_cache[:, :end]
     qh = q.reshape(t, hkv, rep, d).permute(1, 2, 0, 3).reshape(hkv, rep * t, d)  # rows: (r, t)
-    mask = None
-    if t > 1:  # query i sees keys 0..start+i; one token sees them all
+    if t == 1:  # decode sees every key; plain matmuls read the cache at 2x torch's fused CPU kernel here
+        out = torch.softmax((qh @ k.transpose(1, 2)) * scale, dim=-1) @ v
+    else:  # query i sees keys 0..start+i
         mask = torch.ones(t, end, dtype=torch.bool).tril(diagonal=start).repeat(rep, 1)
-    out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)  # [Hkv, rep*T, D]
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)  # [Hkv, rep*T, D]
     return out.reshape(hkv, rep, t, d).permute(2, 0, 1, 3).reshape(t, hq * d)
