@@ -84,3 +84,21 @@ def test_chunked_delta_rule_equals_the_recurrence(t):
     o1 = recurrent_gated_delta_rule(q, k, v, gate, beta, s1)
     o2 = chunk_gated_delta_rule(q, k, v, gate, beta, s2)
     assert (o1 - o2).abs().max() <= 1e-5 and (s1 - s2).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("quant", ["q4", "fp8"])
+def test_block_fp8_source_with_f32_scales(tmp_path, quant):
+    """Qwen3-Next-FP8's layout: E4M3 linears (in_proj_qkvz, out_proj, attention, experts, shared expert)
+    with F32 128x128 scales; in_proj_ba, conv, norms, router and gates unquantised."""
+    from builders import to_block_fp8
+    bf16 = tiny_hybrid("qwen3_next", tmp_path / "bf16", seed=8)
+    src = to_block_fp8(bf16, tmp_path / "fp8-src", scale_dtype=torch.float32)
+    out = convert(str(src), tmp_path / quant, quant, progress=False).out
+    engine = Engine.open(out, max_seq=128)
+    if quant == "fp8":
+        assert engine.vault.lineage["quant"]["passthrough"] and engine.vault.lineage["quant"]["scale_dtype"] == "f32"
+    logits = engine.logits(PROMPT)
+    ref = reference_model(bf16, engine)  # transformers' model, holding exactly the vault's weights
+    with torch.no_grad():
+        want = ref(torch.tensor([PROMPT])).logits[0]
+    assert (logits - want).abs().max() <= ATOL
