@@ -23,6 +23,11 @@ class Role:
     layer: int | None = None
     expert: int | None = None
     projection: str | None = None  # gate | up | down, for kind == "expert"
+    part: str | None = None  # for kind == "drop": the optional part it belongs to (OPTIONAL_PARTS)
+
+
+# Parts of a checkpoint that text generation does not use; left out unless asked for (`--keep`).
+OPTIONAL_PARTS = {"mtp": "MTP head", "vision": "vision tower"}
 
 
 def _get(cfg: dict, *names, default=None):
@@ -192,7 +197,7 @@ def qwen3_5_moe_arch(cfg: dict, generation_cfg: dict | None) -> dict:
 
 def qwen3_next_role(name: str) -> Role:
     if name.startswith("mtp."):
-        return Role("drop")  # the multi-token-prediction head: text generation does not use it
+        return Role("drop", part="mtp")  # the multi-token-prediction head: text generation does not use it
     return qwen3_moe_role(name)
 
 
@@ -200,8 +205,10 @@ _TEXT_PREFIX = "model.language_model."
 
 
 def qwen3_5_moe_role(name: str) -> Role:
-    if name.startswith(("mtp.", "model.visual.")):
-        return Role("drop")  # the MTP head and the vision tower: text-only by default
+    if name.startswith("mtp."):
+        return Role("drop", part="mtp")
+    if name.startswith("model.visual."):
+        return Role("drop", part="vision")  # text-only by default
     if name.startswith(_TEXT_PREFIX):
         name = "model." + name[len(_TEXT_PREFIX):]
     return qwen3_moe_role(name)

@@ -9,7 +9,7 @@ import click
 
 from mosaic_runtime.vault.format import QUANT_NAMES, VaultError
 
-from .architectures import UnsupportedModel
+from .architectures import OPTIONAL_PARTS, UnsupportedModel
 from .checkpoint import Checkpoint, CheckpointError
 from .convert import ConvertError, convert, needed_disk_bytes
 from .plan import Plan, make_plan
@@ -59,17 +59,17 @@ def probe_report(ckpt: Checkpoint, plan: Plan) -> dict:
         "peak_ram_bytes": plan.peak_ram_bytes(WORKERS),
         "disk_bytes": {name: needed_disk_bytes(ckpt, plan, q) for name, q in QUANT_NAMES.items()},
         "layer_types": arch.get("layer_types"),
-        "left_out": left_out(plan.dropped),
+        "left_out": left_out(plan),
         "problems": plan.problems,
     }
 
 
-def left_out(dropped: list[str]) -> dict[str, int]:
-    """Tensors the text model does not use, counted by part: {"vision tower": n, "MTP head": n}."""
+def left_out(plan: Plan) -> dict[str, int]:
+    """Tensors left out of the backbone, counted by part label: {"vision tower": n, "MTP head": n}."""
     parts: dict[str, int] = {}
-    for name in dropped:
-        part = "vision tower" if name.startswith("model.visual.") else "MTP head" if name.startswith("mtp.") else "other"
-        parts[part] = parts.get(part, 0) + 1
+    for name in plan.dropped:
+        label = OPTIONAL_PARTS.get(plan.architecture.role(name).part, "other")
+        parts[label] = parts.get(label, 0) + 1
     return parts
 
 
@@ -99,7 +99,7 @@ def _print_probe(r: dict) -> None:
     echo(f"  backbone bf16   {_size(r['backbone_bytes'])} ({r['backbone_tensors']} tensors)")
     if r["left_out"]:
         echo("  left out        " + ", ".join(f"{part} ({n} tensors)" for part, n in r["left_out"].items())
-             + ": text-only")
+             + ": text-only (--keep mtp / --keep vision keeps them)")
     echo(f"  convert needs   peak RAM ~{_size(r['peak_ram_bytes'])}; free disk Q4 {_size(r['disk_bytes']['q4'])}, "
          f"FP8 {_size(r['disk_bytes']['fp8'])}")
     if r["problems"]:
@@ -112,10 +112,10 @@ def _print_probe(r: dict) -> None:
         echo("  cannot convert  nothing: ready to convert")
 
 
-def _open(source: str, revision: str | None) -> tuple[Checkpoint, Plan]:
+def _open(source: str, revision: str | None, keep: frozenset[str]) -> tuple[Checkpoint, Plan]:
     try:
         ckpt = Checkpoint(source, revision)
-        return ckpt, make_plan(ckpt)
+        return ckpt, make_plan(ckpt, keep)
     except (CheckpointError, UnsupportedModel) as e:
         _fail(str(e))
 
@@ -126,13 +126,18 @@ def main():
     """Turn a Hugging Face MoE checkpoint into a Mosaic expert vault and bf16 backbone."""
 
 
+_KEEP = click.option("--keep", multiple=True, type=click.Choice(sorted(OPTIONAL_PARTS)),
+                     help="Keep an optional part (the MTP head, a vision tower) in the backbone; text-only by default.")
+
+
 @main.command()
 @click.argument("source")
 @click.option("--revision", help="Revision, when SOURCE is a repo id in the Hub cache.")
 @click.option("--json", "as_json", is_flag=True, help="Print one machine-readable JSON object.")
-def probe(source, revision, as_json):
+@_KEEP
+def probe(source, revision, as_json, keep):
     """Dry run: read headers and config only, print topology, sizes and what cannot be converted."""
-    ckpt, plan = _open(source, revision)
+    ckpt, plan = _open(source, revision, frozenset(keep))
     report = probe_report(ckpt, plan)
     if as_json:
         click.echo(json.dumps(report, indent=2))
@@ -148,11 +153,12 @@ def probe(source, revision, as_json):
 @click.option("--force", is_flag=True, help="Replace OUT if it exists (only once the new one is complete).")
 @click.option("--workers", default=WORKERS, show_default=True, help="Expert encoding threads.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def convert_cmd(source, out, quant, revision, force, workers, quiet):
+@_KEEP
+def convert_cmd(source, out, quant, revision, force, workers, quiet, keep):
     """Convert SOURCE (a checkpoint directory or a cached repo id) into OUT."""
     try:
         result = convert(source, out, quant, revision=revision, workers=workers, force=force,
-                         progress=not quiet)
+                         progress=not quiet, keep=frozenset(keep))
     except (CheckpointError, UnsupportedModel, ConvertError) as e:
         _fail(str(e))
     except KeyboardInterrupt:

@@ -111,8 +111,11 @@ def _fsync_dir(path: Path) -> None:
 
 
 def convert(source: str, out: str | os.PathLike, quant: str, *, revision: str | None = None,
-            workers: int = 2, force: bool = False, progress: bool = True) -> ConvertResult:
+            workers: int = 2, force: bool = False, progress: bool = True, keep: frozenset[str] = frozenset()
+            ) -> ConvertResult:
     """Convert `source` (checkpoint directory or cached repo id) into the model directory `out`.
+
+    keep: optional parts ("mtp", "vision") to keep in the backbone; text-only by default.
 
     Raises:
         CheckpointError, UnsupportedModel: the source cannot be read or has no converter.
@@ -121,7 +124,7 @@ def convert(source: str, out: str | os.PathLike, quant: str, *, revision: str | 
     start = time.monotonic()
     qtype = QUANT_NAMES[quant]
     ckpt = Checkpoint(source, revision)
-    plan = make_plan(ckpt)
+    plan = make_plan(ckpt, keep)
     if plan.problems:
         raise ConvertError("cannot convert:\n  " + "\n  ".join(plan.problems))
     out = Path(out).absolute()

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from mosaic_runtime.vault.format import (PROJECTIONS, QuantType, ScaleDtype, encode_meta, plan_header,
                                          projection_shape, record_layout)
 
-from .architectures import Architecture, architecture_for
+from .architectures import Architecture, Role, architecture_for
 from .checkpoint import DTYPE_BYTES, Checkpoint, TensorInfo
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
@@ -116,8 +116,11 @@ def _generation_config(ckpt: Checkpoint) -> dict | None:
         return None
 
 
-def make_plan(ckpt: Checkpoint) -> Plan:
+def make_plan(ckpt: Checkpoint, keep: frozenset[str] = frozenset()) -> Plan:
     """Map every tensor of the checkpoint; problems are collected, not raised (probe lists them all).
+
+    keep: optional parts (architectures.OPTIONAL_PARTS: "mtp", "vision") to put in the backbone instead
+    of leaving them out.
 
     Raises:
         UnsupportedModel: the model_type has no entry in the architecture table.
@@ -135,6 +138,7 @@ def make_plan(ckpt: Checkpoint) -> Plan:
     fp8_block = qcfg.get("weight_block_size") if qcfg.get("quant_method") == "fp8" else None
 
     roles = {name: architecture.role(name) for name in ckpt.tensors}
+    roles = {name: Role("backbone") if r.kind == "drop" and r.part in keep else r for name, r in roles.items()}
     moe = set(plan.moe_layers)
     n_experts, hidden, inter = arch["num_experts"], plan.hidden, plan.intermediate
     per_expert: dict[tuple[int, int], dict[str, ProjectionSource]] = {}

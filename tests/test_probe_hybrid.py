@@ -54,3 +54,15 @@ def test_probe_agrees_with_the_published_sizes(skeletons, name, monkeypatch):
     expected = want["backbone_with_mtp"] - sum(_BYTES[t.dtype] * math.prod(t.shape) for t in left_out) - 2 * f32
     assert report["backbone_bytes"] == expected
     assert not any(b.name.startswith(("model.language_model.", "mtp.", "model.visual.")) for b in plan.backbone)
+
+
+BACKBONE_ALL = {"qwen3.5-35b-a3b": 7_479_145_568, "qwen3-next-80b-a3b-instruct": 8_030_902_784}  # TENSORS.md
+
+
+@pytest.mark.parametrize("name", sorted(BACKBONE_ALL))
+def test_keep_puts_the_mtp_head_and_vision_tower_in_the_backbone(skeletons, name):
+    ckpt = Checkpoint(str(skeletons[name]))
+    plan = make_plan(ckpt, frozenset({"mtp", "vision"}))
+    assert plan.problems == [] and plan.dropped == []
+    f32 = sum(math.prod(t.shape) for t in ckpt.tensors.values() if t.dtype == "F32")
+    assert plan.backbone_bytes == BACKBONE_ALL[name] - 2 * f32  # TENSORS.md counts F32 at 4 B; we store bf16
