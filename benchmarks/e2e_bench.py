@@ -25,11 +25,11 @@ from benchmarks.convert_bench import build_checkpoint, drop_caches  # noqa: E402
 PROMPT = [(17 * i + 5) % 8192 for i in range(32)]
 
 
-def worker(model: str, io: str, ram_budget: int | None, tokens: int) -> None:
+def worker(model: str, io: str, ram_budget: int | None, tokens: int, backbone: str = "bf16") -> None:
     import resource
 
     from mosaic_runtime.engine import Engine
-    engine = Engine.open(model, ram_budget=ram_budget, io=io, max_seq=256)
+    engine = Engine.open(model, ram_budget=ram_budget, io=io, max_seq=256, backbone=backbone)
     out = list(engine.generate_ids(PROMPT, max_new_tokens=tokens))
     s = engine.stats
     rec = engine.vault.header.record_bytes
@@ -74,11 +74,12 @@ def main() -> None:
     ap.add_argument("--worker")
     ap.add_argument("--io", default="buffered")
     ap.add_argument("--ram-budget", type=int)
+    ap.add_argument("--backbone", default="bf16", choices=["bf16", "int8", "fp8"])
     ap.add_argument("--engine-bytes", type=int, default=850 << 20,
                     help="case (b): memory the engine needs besides the ring (backbone, torch, KV cache)")
     args = ap.parse_args()
     if args.worker:
-        return worker(args.worker, args.io, args.ram_budget, args.tokens)
+        return worker(args.worker, args.io, args.ram_budget, args.tokens, args.backbone)
 
     data = ROOT / "bench-data"
     ckpt = build_checkpoint(data / f"qwen3-30b-geometry-{args.layers}l", args.layers)

@@ -62,14 +62,16 @@ def main() -> None:
         ppl_ref, top_ref = score(lambda w: ref(torch.tensor([w])).logits[0].float(), wins)
     rows = [("transformers, bf16 weights, float32 compute", ppl_ref, 1.0)]
     with tempfile.TemporaryDirectory() as tmp:
-        for quant, kernel in (("fp8", "native"), ("q4", "native"), ("q4", "native-int8")):
+        for quant, kernel, backbone in (("fp8", "native", "bf16"), ("q4", "native", "bf16"),
+                                        ("q4", "native-int8", "bf16"), ("q4", "native", "int8"),
+                                        ("q4", "native", "fp8")):
             out = Path(tmp) / quant
             if not out.exists():
                 convert(str(args.model), out, quant, progress=False)
-            with Engine.open(out, max_seq=SEQ, kernel=kernel) as engine:
+            with Engine.open(out, max_seq=SEQ, kernel=kernel, backbone=backbone) as engine:
                 ppl, tops = score(engine.logits, wins)
             agree = sum((a == b).sum().item() for a, b in zip(tops, top_ref)) / sum(len(t) for t in tops)
-            rows.append((f"Mosaic {quant.upper()} vault, kernel={kernel}", ppl, agree))
+            rows.append((f"Mosaic {quant.upper()} vault, kernel={kernel}, backbone={backbone}", ppl, agree))
     print(f"{len(wins)} held-out windows of {SEQ} tokens ({len(wins) * (SEQ - 1):,} predictions)\n")
     print("| model | held-out perplexity | vs transformers | top-1 agreement with transformers |")
     print("|---|---|---|---|")

@@ -82,7 +82,9 @@ def main() -> None:
 @click.option("--io", type=click.Choice(["direct", "buffered"]), help="expert reads (default: buffered)")
 @click.option("--max-seq", type=int, default=4096, show_default=True, help="longest conversation, in tokens")
 @click.option("--seed", type=int, default=None, help="seed for sampling")
-def chat(model, system, temperature, top_p, max_tokens, ram_budget, io, max_seq, seed) -> None:
+@click.option("--backbone", type=click.Choice(["bf16", "int8", "fp8"]), default="bf16", show_default=True,
+              help="backbone precision: as stored, or its projections quantised at load (faster, inexact)")
+def chat(model, system, temperature, top_p, max_tokens, ram_budget, io, max_seq, seed, backbone) -> None:
     """Chat with a model directory written by `mosaic-shatter convert`."""
     from .chat import Conversation
     from .engine import Engine
@@ -93,7 +95,8 @@ def chat(model, system, temperature, top_p, max_tokens, ram_budget, io, max_seq,
         click.echo(f"mosaic: {why}", err=True)
         sys.exit(2)
     try:
-        engine = Engine.open(model, ram_budget=parse_size(ram_budget), io=io, max_seq=max_seq, verbose=True)
+        engine = Engine.open(model, ram_budget=parse_size(ram_budget), io=io, max_seq=max_seq, backbone=backbone,
+                             verbose=True)
         conversation = Conversation(engine, system)
     except (VaultError, ValueError, NotImplementedError) as e:
         click.echo(f"mosaic: {e}", err=True)

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from . import _native
+from .backbone import BACKBONE_MODES, prepare_backbone
 from .cache.store import ExpertStore
 from .experts import NativeExperts, TorchExperts
 from .generate import Detokenizer, TextCodec, sample
@@ -91,7 +92,7 @@ class Engine:
 
     @classmethod
     def open(cls, path, ram_budget: int | None = None, io: str | None = None, threads: int | None = None, *,
-             max_seq: int = 4096, kernel: str = "native", verbose: bool = False) -> "Engine":
+             max_seq: int = 4096, kernel: str = "native", backbone: str = "bf16", verbose: bool = False) -> "Engine":
         """Open a model directory written by `mosaic-shatter convert`.
 
         Args:
@@ -104,11 +105,16 @@ class Engine:
                 but quantises activations to int8 for the Q4 dot products (AVX-512 VNNI: 1.6x faster,
                 logits no longer bit-faithful to the float reference); "torch" dequantises records and uses
                 torch ops (the reference, no ring).
+            backbone: "bf16" runs the backbone as stored (bit-faithful to the reference); "int8" or "fp8"
+                quantise its projections and lm_head at load, per output row (half the bytes per token;
+                see backbone.py for what is kept as stored, and benchmarks/RESULTS.md for the cost).
             verbose: print notices (such as a Direct-I/O fallback) to stderr.
         Raises:
             VaultError: the directory is not a complete, valid vault.
             NotImplementedError: the arch block names something this runtime cannot run.
         """
+        if backbone not in BACKBONE_MODES:
+            raise ValueError(f"backbone must be one of {BACKBONE_MODES}, not {backbone!r}")
         directory = Path(path).expanduser()
         vault = open_vault(directory)
         model_type = vault.arch["model_type"]
@@ -135,7 +141,8 @@ class Engine:
             experts = NativeExperts(store, threads, isa)
         else:
             raise ValueError(f"kernel must be 'native', 'native-int8' or 'torch', not {kernel!r}")
-        model = MODELS[model_type](vault.arch, load_file(directory / BACKBONE_FILE), experts, max_seq)
+        weights = prepare_backbone(load_file(directory / BACKBONE_FILE), backbone, vault.arch["tie_word_embeddings"])
+        model = MODELS[model_type](vault.arch, weights, experts, max_seq)
         engine = cls(directory, vault, store, model, None)
         if (directory / "tokenizer.json").is_file():
             engine.codec = TextCodec(directory)

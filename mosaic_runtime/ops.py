@@ -1,7 +1,9 @@
-"""Backbone projections: y = x @ W.T for float32 activations and weights kept as stored (bf16).
+"""Backbone projections: y = x @ W.T for float32 activations and weights kept as stored (bf16), or
+quantised at load (backbone.QuantizedMatrix: int8 or FP8 codes with a scale per row).
 
-The native kernel widens bf16 to float32 inside the dot product (exact), so the backbone stays bf16 in
-memory and is read at 2 bytes a weight; tests/test_kernels.py holds it against the float product.
+The native kernels widen bf16, int8 and E4M3 to float32 inside the dot product (exact), so weights stay
+compact in memory and are read at 2 or 1 bytes a weight; tests/test_kernels.py holds them against the
+float product.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _native
+from .backbone import QuantizedMatrix
 
 _K = _native.kernels
 _ISA = _K.best_isa()
@@ -24,8 +27,13 @@ def set_threads(n: int) -> None:
     _THREADS[0] = n
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [T, in] float32, w [out, in] bf16 or float32 -> [T, out] float32."""
+def linear(x: torch.Tensor, w) -> torch.Tensor:
+    """x [T, in] float32, w [out, in] bf16, float32 or a QuantizedMatrix -> [T, out] float32."""
+    if isinstance(w, QuantizedMatrix):
+        xs = x.contiguous()
+        y = np.empty((xs.shape[0], w.shape[0]), np.float32)
+        _K.linear_quant(_ISA, _THREADS[0], w.codes.numpy(), w.scales.numpy(), w.fp8, xs.numpy(), y)
+        return torch.from_numpy(y)
     if w.dtype != torch.bfloat16:
         return F.linear(x, w)
     xs = x.contiguous()

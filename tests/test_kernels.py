@@ -158,3 +158,28 @@ def test_linear_bf16_matches_float_reference(rows, cols, n, seed, isa):
     ref = x.double() @ w.double().T  # bf16 widens exactly: the reference is the float product
     bound = 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-6
     assert ((torch.from_numpy(y).double() - ref).abs() <= bound).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 70), cols=st.integers(1, 300), n=st.integers(1, 6), seed=st.integers(0, 1000),
+       isa=st.sampled_from(ISAS), mode=st.sampled_from(["int8", "fp8"]))
+def test_linear_quant_matches_its_dequantised_matrix(rows, cols, n, seed, isa, mode):
+    from mosaic_runtime.backbone import quantize_matrix
+    g = torch.Generator().manual_seed(seed)
+    q = quantize_matrix(torch.randn(rows, cols, generator=g).bfloat16(), mode)
+    x = torch.randn(n, cols, generator=g)
+    y = np.zeros((n, rows), np.float32)
+    K.linear_quant(isa, 2, q.codes.numpy(), q.scales.numpy(), q.fp8, x.numpy(), y)
+    w = q.dequantize().double()
+    ref = x.double() @ w.T  # codes widen exactly: the reference is the float product
+    bound = 1e-5 * (x.double().abs() @ w.abs().T) + 1e-6
+    assert ((torch.from_numpy(y).double() - ref).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("mode, worst", [("int8", 0.02), ("fp8", 0.07)])
+def test_backbone_quantisation_error_is_bounded(mode, worst):
+    from mosaic_runtime.backbone import quantize_matrix
+    w = torch.randn(256, 512, generator=torch.Generator().manual_seed(0))
+    q = quantize_matrix(w, mode).dequantize()
+    rel = ((q - w).norm() / w.norm()).item()
+    assert rel < worst  # int8 per row: ~1 %; E4M3 (3 mantissa bits): ~2-4 %

@@ -49,9 +49,11 @@ class Qwen3Moe:
             raise NotImplementedError(f"hidden_act {arch['hidden_act']!r} is not supported")
         # Matrices stay as stored (bf16: ops.linear widens them inside the dot product); norms are float32.
         w = lambda name: weights[name] if weights[name].dim() == 2 else weights[name].to(dtype)  # noqa: E731
+        # (a matrix may also be a backbone.QuantizedMatrix: 2-D, run by ops.linear)
         self.embed = w("model.embed_tokens.weight")  # [V, H]
         self.norm = w("model.norm.weight")
-        self.lm_head = self.embed if arch["tie_word_embeddings"] else w("lm_head.weight")
+        # A tied head may still have its own (quantised) copy: see backbone.prepare_backbone.
+        self.lm_head = w("lm_head.weight") if "lm_head.weight" in weights else self.embed
         self.layers = []
         for i, kind in enumerate(arch["layer_kinds"]):
             p = f"model.layers.{i}."

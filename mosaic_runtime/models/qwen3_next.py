@@ -14,6 +14,7 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
+from ..backbone import QuantizedMatrix
 from ..experts import ExpertExecutor
 from ..kv_cache import KVCache
 from ..ops import linear
@@ -64,9 +65,14 @@ class Layer:
     mlp: Mlp
 
 
-def unfuse_qwen3_next(qkvz: torch.Tensor, ba: torch.Tensor, hk: int, hv: int, dk: int, dv: int):
+def unfuse_qwen3_next(qkvz, ba, hk: int, hv: int, dk: int, dv: int):
     """Qwen3-Next's in_proj_qkvz [Hk*(2dk+2r*dv), H] and in_proj_ba [Hk*2r, H] (grouped per key head:
-    [q_g | k_g | v_g (r heads) | z_g (r heads)] and [b_g (r) | a_g (r)]) as Qwen3.5's qkv, z, b, a rows."""
+    [q_g | k_g | v_g (r heads) | z_g (r heads)] and [b_g (r) | a_g (r)]) as Qwen3.5's qkv, z, b, a rows.
+    A row permutation, so a quantised matrix is un-fused by permuting its codes and row scales alike."""
+    if isinstance(qkvz, QuantizedMatrix):
+        codes = unfuse_qwen3_next(qkvz.codes, ba.codes, hk, hv, dk, dv)
+        scales = unfuse_qwen3_next(qkvz.scales[:, None], ba.scales[:, None], hk, hv, dk, dv)
+        return [QuantizedMatrix(c.contiguous(), s[:, 0].contiguous(), qkvz.fp8) for c, s in zip(codes, scales)]
     r = hv // hk
     g = qkvz.view(hk, 2 * dk + 2 * r * dv, -1)
     q, k, v, z = torch.split(g, [dk, dk, r * dv, r * dv], dim=1)
@@ -120,7 +126,8 @@ class Qwen3Next:
         one_plus = lambda name: 1.0 + weights[name].to(dtype)  # noqa: E731
         self.embed = mat("model.embed_tokens.weight")
         self.norm = one_plus("model.norm.weight")
-        self.lm_head = self.embed if arch["tie_word_embeddings"] else mat("lm_head.weight")
+        # A tied head may still have its own (quantised) copy: see backbone.prepare_backbone.
+        self.lm_head = mat("lm_head.weight") if "lm_head.weight" in weights else self.embed
         self.layers: list[Layer] = []
         self.slot: list[int] = []  # index of the layer among its kind (KV cache row or DeltaNet state row)
         n_att = n_delta = 0
@@ -140,7 +147,9 @@ class Qwen3Next:
                                                      self.hk, self.hv, self.dk, self.dv)
                 else:
                     qkv, z, b, a = (mat(s + f"in_proj_{n}.weight") for n in ("qkv", "z", "b", "a"))
-                mixer = DeltaNet(qkv.contiguous(), z.contiguous(), b.contiguous(), a.contiguous(),
+                if not isinstance(qkv, QuantizedMatrix):
+                    qkv, z, b, a = (m.contiguous() for m in (qkv, z, b, a))
+                mixer = DeltaNet(qkv, z, b, a,
                                  vec(s + "conv1d.weight")[:, 0, :], vec(s + "A_log"), vec(s + "dt_bias"),
                                  vec(s + "norm.weight"), mat(s + "out_proj.weight"))
                 self.slot.append(n_delta)

@@ -138,6 +138,16 @@ void init_kernels(nb::module_& m) {
     linear_bf16(w.data(), static_cast<int>(w.shape(0)), static_cast<int>(w.shape(1)), x.data(),
                 static_cast<int>(x.shape(0)), y.data(), threads, Isa(isa));
   });
+  k.def("linear_quant", [](int isa, int threads, nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> w,
+                           Floats1 scales, bool fp8, Matrix x, OutMatrix y) {
+    // y[n, rows] = x[n, cols] @ (w * scales[:, None]).T, w int8 (or E4M3 when fp8) codes as uint8.
+    check(x.shape(1) == w.shape(1) && y.shape(1) == w.shape(0) && x.shape(0) == y.shape(0) &&
+              scales.shape(0) == w.shape(0), "linear_quant: shapes");
+    check(isa_available(Isa(isa)), "linear_quant: this CPU lacks that ISA");
+    nb::gil_scoped_release release;
+    linear_quant(w.data(), scales.data(), fp8, static_cast<int>(w.shape(0)), static_cast<int>(w.shape(1)), x.data(),
+                 static_cast<int>(x.shape(0)), y.data(), threads, Isa(isa));
+  });
   k.def("stream_read", [](Bytes data, int threads) {
     nb::gil_scoped_release release;
     return stream_read(data.data(), data.shape(0), threads);

@@ -89,6 +89,11 @@ uint64_t moe_scratch_floats(const RecordLayout& layout, int total_rows, int max_
 // AVX-512 when isa allows it, else the scalar loop (the reference).
 void linear_bf16(const uint16_t* w, int rows, int cols, const float* x, int n, float* y, int threads, Isa isa);
 
+// Y[n, rows] = X[n, cols] @ W.T for W quantised per output row: codes [rows, cols] (int8, or E4M3 when
+// fp8) times scales[rows], float32 activations and accumulation; rows over threads.
+void linear_quant(const uint8_t* w, const float* scales, bool fp8, int rows, int cols, const float* x, int n,
+                  float* y, int threads, Isa isa);
+
 // Reads n bytes once, split over threads (the roofline for benchmarks); returns a checksum.
 double stream_read(const uint8_t* data, uint64_t n, int threads);
 

@@ -1,0 +1,70 @@
+"""Backbone precision at load time: the file stays bf16; `Engine.open(backbone="int8" | "fp8")` quantises
+the big projections once (per output row, symmetric) and runs them through the native kernels.
+
+Quantised: attention and DeltaNet projections, dense MLPs, shared experts and lm_head. Kept as stored:
+the embedding (a lookup), router gates and the shared-expert gate (routing is where a small error
+changes which experts run), norms and other vectors.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+BACKBONE_MODES = ("bf16", "int8", "fp8")
+FP8_MAX = 448.0  # largest finite E4M3 value
+_QUANTISED = re.compile(r"(self_attn\.[qkvo]_proj|linear_attn\.(in_proj_\w+|out_proj)|mlp\.(gate|up|down)_proj|"
+                        r"shared_expert\.(gate|up|down)_proj)\.weight$|^lm_head\.weight$")
+
+
+@dataclass
+class QuantizedMatrix:
+    """W ~= codes * scales[:, None]: codes [rows, cols] as uint8 bytes (int8 or E4M3), scales float32 [rows]."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    fp8: bool
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def dim(self) -> int:
+        return 2
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 matrix this stands for (the reference for tests)."""
+        values = self.codes.view(torch.float8_e4m3fn).float() if self.fp8 else self.codes.view(torch.int8).float()
+        return values * self.scales[:, None]
+
+
+def quantize_matrix(w: torch.Tensor, mode: str) -> QuantizedMatrix:
+    """Per output row: int8 with scale amax/127, or E4M3 with scale amax/448 (round to nearest)."""
+    w = w.float()
+    amax = w.abs().amax(dim=1).clamp_min(1e-30)
+    if mode == "int8":
+        scales = amax / 127.0
+        codes = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).view(torch.uint8)
+        return QuantizedMatrix(codes.contiguous(), scales.contiguous(), fp8=False)
+    if mode == "fp8":
+        scales = amax / FP8_MAX
+        codes = (w / scales[:, None]).to(torch.float8_e4m3fn).view(torch.uint8)
+        return QuantizedMatrix(codes.contiguous(), scales.contiguous(), fp8=True)
+    raise ValueError(f"quantize_matrix: mode must be 'int8' or 'fp8', not {mode!r}")
+
+
+def prepare_backbone(weights: dict[str, torch.Tensor], mode: str, tie_word_embeddings: bool) -> dict:
+    """The backbone as the model should hold it: bf16 as stored, or its projections quantised."""
+    if mode not in BACKBONE_MODES:
+        raise ValueError(f"backbone must be one of {BACKBONE_MODES}, not {mode!r}")
+    if mode == "bf16":
+        return weights
+    out = dict(weights)
+    if tie_word_embeddings and "lm_head.weight" not in out:  # the head gets its own quantised copy
+        out["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    for name, w in out.items():
+        if w.dim() == 2 and _QUANTISED.search(name):
+            out[name] = quantize_matrix(w, mode)
+    return out

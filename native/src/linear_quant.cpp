@@ -1,0 +1,106 @@
+// Y[n, rows] = X[n, cols] @ W.T for a backbone matrix quantised at load: int8 or FP8 (E4M3) codes with
+// one float32 scale per output row. Activations stay float32 and every code widens to float exactly, so
+// the only error is the weights' quantisation; half the bytes of bf16, for a kernel that is memory-bound.
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+
+#include "mosaic/kernels.h"
+
+namespace mosaic {
+namespace {
+
+constexpr int kTile = 4;
+
+#define MOSAIC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+
+// 16 codes widened to float: int8 exactly; E4M3 through f16 (bits shifted into place: the value times
+// 2^-8, undone by the caller's 256 in the scale, as in the expert kernels).
+MOSAIC_AVX512 inline __m512 widen_i8(const uint8_t* p, __mmask16 m) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+}
+
+MOSAIC_AVX512 inline __m512 widen_e4m3(const uint8_t* p, __mmask16 m) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, p));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+  return _mm512_cvtph_ps(h);
+}
+
+template <int NT, bool Fp8>
+MOSAIC_AVX512 void row_avx512(const uint8_t* w, int cols, const float* x, int ldx, float scale, float* y, int ldy) {
+  // Four accumulators per token over 64 codes a step: independent FMA chains, so the loop is bound by
+  // loads, not by FMA latency.
+  __m512 acc[NT][4];
+  for (int t = 0; t < NT; ++t)
+    for (int j = 0; j < 4; ++j) acc[t][j] = _mm512_setzero_ps();
+  int c = 0;
+  for (; c + 64 <= cols; c += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + c + 1024), _MM_HINT_T0);
+    __m512 wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = Fp8 ? widen_e4m3(w + c + 16 * j, 0xFFFF) : widen_i8(w + c + 16 * j, 0xFFFF);
+    for (int t = 0; t < NT; ++t)
+      for (int j = 0; j < 4; ++j)
+        acc[t][j] = _mm512_fmadd_ps(wv[j], _mm512_loadu_ps(x + t * ldx + c + 16 * j), acc[t][j]);
+  }
+  for (; c < cols; c += 16) {
+    const int len = std::min(16, cols - c);
+    const __mmask16 m = len == 16 ? 0xFFFF : static_cast<__mmask16>((1u << len) - 1);
+    const __m512 wv = Fp8 ? widen_e4m3(w + c, m) : widen_i8(w + c, m);
+    for (int t = 0; t < NT; ++t) acc[t][0] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x + t * ldx + c), acc[t][0]);
+  }
+  for (int t = 0; t < NT; ++t)
+    y[t * ldy] = scale * _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]),
+                                                            _mm512_add_ps(acc[t][2], acc[t][3])));
+}
+
+template <int NT, bool Fp8>
+void row_scalar(const uint8_t* w, int cols, const float* x, int ldx, float scale, float* y, int ldy) {
+  for (int t = 0; t < NT; ++t) {
+    float s = 0.f;
+    for (int c = 0; c < cols; ++c)
+      s += (Fp8 ? e4m3_to_f32(w[c]) : static_cast<float>(static_cast<int8_t>(w[c]))) * x[t * ldx + c];
+    y[t * ldy] = scale * s;
+  }
+}
+
+template <int NT, bool Fp8>
+void row(bool wide, const uint8_t* w, int cols, const float* x, int ldx, float scale, float* y, int ldy) {
+  // The f16 route yields E4M3 values times 2^-8: the scale takes the 256 back.
+  if (wide) row_avx512<NT, Fp8>(w, cols, x, ldx, Fp8 ? scale * 256.f : scale, y, ldy);
+  else row_scalar<NT, Fp8>(w, cols, x, ldx, scale, y, ldy);
+}
+
+template <bool Fp8>
+void linear_codes(const uint8_t* w, const float* scales, int rows, int cols, const float* x, int n, float* y,
+                  int threads, bool wide) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int r = 0; r < rows; ++r) {
+    const uint8_t* wr = w + static_cast<uint64_t>(r) * cols;
+    const float s = scales[r];
+    int t0 = 0;
+    for (; t0 + kTile <= n; t0 += kTile)
+      row<kTile, Fp8>(wide, wr, cols, x + static_cast<uint64_t>(t0) * cols, cols, s,
+                      y + static_cast<uint64_t>(t0) * rows + r, rows);
+    const float* xt = x + static_cast<uint64_t>(t0) * cols;
+    float* yt = y + static_cast<uint64_t>(t0) * rows + r;
+    switch (n - t0) {
+      case 3: row<3, Fp8>(wide, wr, cols, xt, cols, s, yt, rows); break;
+      case 2: row<2, Fp8>(wide, wr, cols, xt, cols, s, yt, rows); break;
+      case 1: row<1, Fp8>(wide, wr, cols, xt, cols, s, yt, rows); break;
+      default: break;
+    }
+  }
+}
+
+}  // namespace
+
+void linear_quant(const uint8_t* w, const float* scales, bool fp8, int rows, int cols, const float* x, int n,
+                  float* y, int threads, Isa isa) {
+  const bool wide = isa == Isa::Avx512 || isa == Isa::Avx512Vnni;
+  if (fp8) linear_codes<true>(w, scales, rows, cols, x, n, y, threads, wide);
+  else linear_codes<false>(w, scales, rows, cols, x, n, y, threads, wide);
+}
+
+}  // namespace mosaic
