@@ -1,5 +1,6 @@
-"""Routing of real models: per-layer expert-usage skew, next-token expert reuse, and the hit rate of
-Mosaic's LRU ring (the engine's own LRUPolicy) against ring size, with a PNG plot.
+"""Routing of real models: per-layer expert-usage skew, next-token expert reuse, the hit rate of
+Mosaic's LRU ring (the engine's own LRUPolicy) against ring size, with a PNG plot, and the device
+tier's promotion policies (mosaic_runtime.tier) against their budget.
 
     python benchmarks/routing_bench.py [--model examples/stdlib-moe] [--routing ../shared/routing]
                                        [--plot benchmarks/routing_lru.png]
@@ -31,6 +32,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from mosaic_runtime.cache.policy import LRUPolicy  # noqa: E402
+from mosaic_runtime.tier import POLICIES  # noqa: E402
 
 FRACTIONS = (0.05, 0.10, 0.25, 0.50, 1.00)
 
@@ -160,6 +162,20 @@ def lru_hit_rate(trace: Trace, slots: int) -> tuple[float, np.ndarray]:
     return hits / total, per_layer
 
 
+def tier_hit_rate(trace: Trace, policy_name: str, slots: int) -> tuple[float, np.ndarray, float]:
+    """(overall hit rate, per-layer hit rates, promotions per token) of a device-tier policy holding
+    `slots` records, over the trace as one stream."""
+    policy = POLICIES[policy_name](budget_bytes=slots, record_bytes=1)
+    for s in trace.sequences:
+        for t in range(s.shape[0]):
+            for layer in range(trace.layers):
+                policy.access(layer, sorted(set(s[t, layer].tolist())))
+    c = policy.counters
+    per_layer = np.array([c[layer].hits / max(1, c[layer].hits + c[layer].misses) for layer in range(trace.layers)])
+    hits, total = sum(v.hits for v in c.values()), sum(v.hits + v.misses for v in c.values())
+    return hits / total, per_layer, sum(v.promotions for v in c.values()) / trace.tokens
+
+
 def static_oracle_hit_rate(trace: Trace, slots: int) -> float:
     """Hit rate of a fixed cache of the `slots` most-used (layer, expert) pairs of the whole trace."""
     counts = Counter()
@@ -210,6 +226,17 @@ def main() -> None:
             print(f"| {tr.name} | {slots / total:.0%} | {slots} | {hit:.3f} | {per_layer.min():.2f}-{per_layer.max():.2f} "
                   f"| {best:.3f} |")
         curves[tr.name] = (xs, lru, oracle)
+
+    print("\n| model | device tier (share of all experts) | policy | hit rate | per-layer range | promotions per token |")
+    print("|---|---|---|---|---|---|")
+    for tr in traces:
+        total = tr.layers * tr.n_experts
+        for f in (0.05, 0.10, 0.25):
+            slots = max(1, round(f * total))
+            for name in POLICIES:
+                hit, per_layer, promos = tier_hit_rate(tr, name, slots)
+                print(f"| {tr.name} | {f:.0%} ({slots}) | {name} | {hit:.3f} | {per_layer.min():.2f}-{per_layer.max():.2f} "
+                      f"| {promos:.2f} |")
 
     import matplotlib
     matplotlib.use("Agg")
