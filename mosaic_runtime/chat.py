@@ -24,7 +24,8 @@ class Conversation:
     Each `ask` renders the whole conversation. When the text of the cached tokens is a prefix of it (a
     template that renders earlier turns unchanged, and a lossless tokenizer), only the rest is tokenised
     and prefilled. Otherwise the whole text is tokenised and the cache is kept up to the longest prefix
-    the two token lists share.
+    the two token lists share. A conversation owns its engine's cache: other calls that refill it
+    (engine.logits, generate) must be followed by `reset`.
     """
 
     def __init__(self, engine, system: str | None = None):
@@ -41,6 +42,7 @@ class Conversation:
     def _prompt(self) -> tuple[list[int], int]:
         """(the conversation's tokens, how many leading ones the cache already holds)."""
         codec = self.engine.codec
+        self.cached_ids = self.cached_ids[:self.engine.model.kv.length]  # the cache may have been reset
         text = codec.render_chat(self.messages)
         cached_text = codec.decode(self.cached_ids, skip_special_tokens=False)
         if self.cached_ids and text.startswith(cached_text) and len(text) > len(cached_text):
