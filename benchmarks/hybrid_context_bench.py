@@ -80,7 +80,7 @@ def main() -> None:
     vault = build(ROOT / "bench-data", args.layers, args.experts)
     engine = Engine.open(vault, max_seq=max(LENGTHS) + args.steps + 1)
     gen = torch.Generator().manual_seed(0)
-    state_bytes = (engine.model.kv.conv.numel() + engine.model.kv.recurrent.numel()) * 4
+    state_bytes = engine.model.kv.state_bytes
     kv = engine.model.kv.kv
     page_bytes = 2 * kv.k.shape[0] * kv.k.shape[1] * kv.k[0, 0, 0].numel() * kv.k.element_size()
     rows = []

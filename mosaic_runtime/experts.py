@@ -7,7 +7,6 @@ depend on timing (and match transformers' own loop order).
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Protocol
 
 import numpy as np

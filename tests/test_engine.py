@@ -1,7 +1,6 @@
 """Engine: same tokens whatever the RAM budget or I/O mode, cache accounting, errors, text generation."""
 
 import errno
-import json
 import os
 import tracemalloc
 

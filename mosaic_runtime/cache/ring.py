@@ -73,9 +73,5 @@ class Ring:
     def address(self) -> int:
         return self.native.address
 
-    @property
-    def nbytes(self) -> int:
-        return self.n_slots * self.slot_bytes
-
     def close(self) -> None:
         self.native.shutdown()

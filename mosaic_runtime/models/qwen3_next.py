@@ -105,8 +105,10 @@ class HybridState:
         self.kv.reset()
         self.length = 0
 
-    def nbytes(self) -> int:
-        return (self.kv.k.numel() + self.kv.v.numel() + self.conv.numel() + self.recurrent.numel()) * 4
+    @property
+    def state_bytes(self) -> int:
+        """The DeltaNet layers' conv windows and recurrent states: constant, whatever the context."""
+        return (self.conv.numel() + self.recurrent.numel()) * self.recurrent.element_size()
 
 
 class Qwen3Next:
