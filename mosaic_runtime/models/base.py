@@ -5,11 +5,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..ops import linear
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, computed in float32 (as transformers' Qwen3MoeRMSNorm)."""
     x32 = x.float()
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def swiglu(x: torch.Tensor, gate, up, down) -> torch.Tensor:
+    """down(silu(gate x) * up x) on backbone weights as held (bf16 or quantised): dense MLPs and shared
+    experts. Routed experts go through an ExpertExecutor instead."""
+    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 
 class Rotary:

@@ -9,13 +9,12 @@ from dataclasses import dataclass
 from typing import Mapping
 
 import torch
-import torch.nn.functional as F
 
 from ..experts import ExpertExecutor
 from ..ops import linear
 from ..kv_cache import KVCache
 from ..routing import ROUTERS
-from .base import Rotary, cached_attention, rms_norm
+from .base import Rotary, cached_attention, rms_norm, swiglu
 
 
 @dataclass
@@ -80,7 +79,7 @@ class Qwen3Moe:
     def mlp(self, i: int, layer: Layer, x: torch.Tensor) -> torch.Tensor:
         if layer.mlp is not None:
             gate, up, down = layer.mlp
-            return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+            return swiglu(x, gate, up, down)
         topk_weights, topk_ids = self.route(linear(x, layer.router), self.top_k, self.arch["norm_topk_prob"])
         return self.experts(i, x, topk_weights, topk_ids)
 

@@ -19,7 +19,7 @@ from ..experts import ExpertExecutor
 from ..kv_cache import KVCache
 from ..ops import linear
 from ..routing import ROUTERS
-from .base import Rotary, cached_attention, rms_norm
+from .base import Rotary, cached_attention, rms_norm, swiglu
 from .delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 
@@ -207,11 +207,11 @@ class Qwen3Next:
 
     def mlp(self, i: int, mlp: Mlp, x: torch.Tensor) -> torch.Tensor:
         if mlp.router is None:
-            return expert_ffn_linear(x, *mlp.shared)
+            return swiglu(x, *mlp.shared)
         topk_weights, topk_ids = self.route(linear(x, mlp.router), self.top_k, self.arch["norm_topk_prob"])
         y = self.experts(i, x, topk_weights, topk_ids)
         if mlp.shared is not None:
-            shared = expert_ffn_linear(x, *mlp.shared)
+            shared = swiglu(x, *mlp.shared)
             if mlp.shared_gate is not None:
                 shared = torch.sigmoid(linear(x, mlp.shared_gate)) * shared
             y = y + shared
@@ -242,7 +242,3 @@ class Qwen3Next:
         self.kv.length = start + ids.shape[0]
         return linear(rms_norm(x, self.norm, self.eps), self.lm_head).float()
 
-
-def expert_ffn_linear(x, gate, up, down):
-    """A dense SwiGLU MLP (the shared expert) on backbone weights kept as stored."""
-    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
