@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "mosaic/kernels.h"
+#include "simd_avx512.h"
 
-#define MOSAIC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 
 namespace mosaic {
 namespace {
@@ -66,15 +66,6 @@ MOSAIC_AVX512 void q4_avx512(const MatvecArgs& a) {
       for (int t = 0; t < nt; ++t) a.y[static_cast<uint64_t>(t0 + t) * a.ldy + r] = reduce(acc[t]) - reduce(off[t]);
     }
   }
-}
-
-// E4M3 -> f16 bits: sign to bit 15, exponent and mantissa shifted left by 7. As an f16 that is the value
-// times 2^-8 for normals and subnormals alike, so the 2^8 is folded into the tile scale.
-MOSAIC_AVX512 inline __m512 e4m3x16(const uint8_t* p, __mmask16 m) {
-  const __m256i b = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, p));
-  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
-                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
-  return _mm512_cvtph_ps(h);
 }
 
 MOSAIC_AVX512 void fp8_avx512(const MatvecArgs& a) {

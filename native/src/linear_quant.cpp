@@ -7,25 +7,17 @@
 #include <algorithm>
 
 #include "mosaic/kernels.h"
+#include "simd_avx512.h"
 
 namespace mosaic {
 namespace {
 
 constexpr int kTile = 4;
 
-#define MOSAIC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
-
-// 16 codes widened to float: int8 exactly; E4M3 through f16 (bits shifted into place: the value times
-// 2^-8, undone by the caller's 256 in the scale, as in the expert kernels).
+// 16 codes widened to float: int8 exactly; E4M3 through f16 (e4m3x16: the value times 2^-8, undone by
+// the 256 in the scale).
 MOSAIC_AVX512 inline __m512 widen_i8(const uint8_t* p, __mmask16 m) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
-}
-
-MOSAIC_AVX512 inline __m512 widen_e4m3(const uint8_t* p, __mmask16 m) {
-  const __m256i b = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, p));
-  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
-                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
-  return _mm512_cvtph_ps(h);
 }
 
 template <int NT, bool Fp8>
@@ -39,7 +31,7 @@ MOSAIC_AVX512 void row_avx512(const uint8_t* w, int cols, const float* x, int ld
   for (; c + 64 <= cols; c += 64) {
     _mm_prefetch(reinterpret_cast<const char*>(w + c + 1024), _MM_HINT_T0);
     __m512 wv[4];
-    for (int j = 0; j < 4; ++j) wv[j] = Fp8 ? widen_e4m3(w + c + 16 * j, 0xFFFF) : widen_i8(w + c + 16 * j, 0xFFFF);
+    for (int j = 0; j < 4; ++j) wv[j] = Fp8 ? e4m3x16(w + c + 16 * j, 0xFFFF) : widen_i8(w + c + 16 * j, 0xFFFF);
     for (int t = 0; t < NT; ++t)
       for (int j = 0; j < 4; ++j)
         acc[t][j] = _mm512_fmadd_ps(wv[j], _mm512_loadu_ps(x + t * ldx + c + 16 * j), acc[t][j]);
@@ -47,7 +39,7 @@ MOSAIC_AVX512 void row_avx512(const uint8_t* w, int cols, const float* x, int ld
   for (; c < cols; c += 16) {
     const int len = std::min(16, cols - c);
     const __mmask16 m = len == 16 ? 0xFFFF : static_cast<__mmask16>((1u << len) - 1);
-    const __m512 wv = Fp8 ? widen_e4m3(w + c, m) : widen_i8(w + c, m);
+    const __m512 wv = Fp8 ? e4m3x16(w + c, m) : widen_i8(w + c, m);
     for (int t = 0; t < NT; ++t) acc[t][0] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x + t * ldx + c), acc[t][0]);
   }
   for (int t = 0; t < NT; ++t)
