@@ -156,10 +156,14 @@ def lru_hit_rate(trace: Trace, slots: int) -> tuple[float, np.ndarray]:
                     if slot is None:
                         slot = policy.place((layer, e), pinned)
                     pinned.add(slot)
-    c = policy.counters
-    per_layer = np.array([c[layer].hits / max(1, c[layer].hits + c[layer].misses) for layer in range(trace.layers)])
-    hits, total = sum(v.hits for v in c.values()), sum(v.hits + v.misses for v in c.values())
-    return hits / total, per_layer
+    return hit_rates(policy.counters, trace.layers)
+
+
+def hit_rates(counters: dict, layers: int) -> tuple[float, np.ndarray]:
+    """(overall, per layer) hit rate from per-layer counters with `hits` and `misses`."""
+    per_layer = np.array([counters[i].hits / max(1, counters[i].hits + counters[i].misses) for i in range(layers)])
+    hits = sum(v.hits for v in counters.values())
+    return hits / sum(v.hits + v.misses for v in counters.values()), per_layer
 
 
 def tier_hit_rate(trace: Trace, policy_name: str, slots: int) -> tuple[float, np.ndarray, float]:
@@ -170,10 +174,8 @@ def tier_hit_rate(trace: Trace, policy_name: str, slots: int) -> tuple[float, np
         for t in range(s.shape[0]):
             for layer in range(trace.layers):
                 policy.access(layer, sorted(set(s[t, layer].tolist())))
-    c = policy.counters
-    per_layer = np.array([c[layer].hits / max(1, c[layer].hits + c[layer].misses) for layer in range(trace.layers)])
-    hits, total = sum(v.hits for v in c.values()), sum(v.hits + v.misses for v in c.values())
-    return hits / total, per_layer, sum(v.promotions for v in c.values()) / trace.tokens
+    overall, per_layer = hit_rates(policy.counters, trace.layers)
+    return overall, per_layer, sum(v.promotions for v in policy.counters.values()) / trace.tokens
 
 
 def static_oracle_hit_rate(trace: Trace, slots: int) -> float:
