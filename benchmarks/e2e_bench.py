@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.convert_bench import build_checkpoint, drop_caches  # noqa: E402
+from benchmarks.memlimit import run_worker  # noqa: E402
 
 PROMPT = [(17 * i + 5) % 8192 for i in range(32)]
 
@@ -48,22 +48,7 @@ def run_case(model: Path, io: str, ram_budget: int | None, tokens: int, limit: i
     cmd = [sys.executable, __file__, "--worker", str(model), "--io", io, "--tokens", str(tokens)]
     if ram_budget is not None:
         cmd += ["--ram-budget", str(ram_budget)]
-    if limit is None:
-        return json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
-    cg_line = next(line for line in Path("/proc/self/cgroup").read_text().splitlines() if ":memory:" in line)
-    cg = Path("/sys/fs/cgroup/memory" + cg_line.split(":")[2]) / "mosaic-bench"
-    cg.mkdir(exist_ok=True)
-    try:
-        (cg / "memory.limit_in_bytes").write_text(str(limit))
-        shell = f"echo $$ > {cg}/cgroup.procs; exec " + " ".join(cmd)
-        res = subprocess.run(["bash", "-c", shell], capture_output=True, text=True)
-        if res.returncode:
-            raise RuntimeError(res.stderr[-2000:])
-        out = json.loads(res.stdout.splitlines()[-1])
-        out["cgroup_max_usage"] = int((cg / "memory.max_usage_in_bytes").read_text())
-        return out
-    finally:
-        cg.rmdir()
+    return run_worker(cmd, limit)
 
 
 def main() -> None:

@@ -1,0 +1,297 @@
+"""Mosaic against llama.cpp on the same checkpoint: same threads, each run in a fresh process after the page
+cache is dropped, the engines interleaved (A B A B ...) because this VM's bandwidth drifts (FACTS.md §3).
+
+    pip install -e '.[peer]'        # llama-cpp-python: builds llama.cpp from source (~25 min on 2 cores)
+    python benchmarks/peer_bench.py [--cases a,b,c] [--rounds 2] [--prompt 128] [--tokens 32]
+
+Cases:
+  (a) a random-weight Qwen3-MoE with Qwen3-30B-A3B's per-layer geometry, 8 layers, in RAM;
+  (b) the same under a cgroup v1 memory limit of half the Q4_0 GGUF's size (RAM and page cache together);
+  (c) the bundled model, examples/stdlib-moe.
+The GGUF comes from llama.cpp's own converter (convert_hf_to_gguf.py, in the llama-cpp-python source
+distribution, fetched with `pip download` if --llama-src is not given) at bf16, then llama.cpp's quantiser
+to Q4_0. The converter refuses tokenizers whose pre-tokenizer it does not know by hash; these checkpoints'
+byte-level BPE is declared "qwen2". Both engines are fed the same token ids, so llama.cpp's tokenizer
+never runs.
+
+Printed per run: cold time to first token (process start to first token: load + prefill), prefill tok/s,
+decode tok/s, the weight bytes a decoded token must read, and that divided by the same-run bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.convert_bench import build_checkpoint, drop_caches  # noqa: E402
+from benchmarks.memlimit import run_worker  # noqa: E402
+
+DATA = ROOT / "bench-data"
+BUNDLED = ROOT / "examples" / "stdlib-moe"
+MOSAIC_CONFIGS = {  # name -> Engine.open settings
+    "mosaic default": dict(kernel="native", backbone="bf16"),
+    "mosaic int8": dict(kernel="native-int8", backbone="int8"),
+}
+LLAMA_CONFIGS = {"llama.cpp Q4_0": True, "llama.cpp Q4_0 no-repack": False}  # name -> weight repacking
+ENGINE_BYTES = 850 << 20  # case (b): what Mosaic needs besides its ring (backbone, torch, KV cache)
+
+
+# ---------------------------------------------------------------------------------------------- workers
+
+def mosaic_worker(model: str, prompt: list[int], tokens: int, threads: int, ram_budget: int | None,
+                  kernel: str, backbone: str) -> dict:
+    t0 = time.perf_counter()
+    from mosaic_runtime.engine import Engine
+    engine = Engine.open(model, ram_budget=ram_budget, threads=threads, max_seq=len(prompt) + tokens + 8,
+                         kernel=kernel, backbone=backbone)
+    load_s = time.perf_counter() - t0
+    out = list(engine.generate_ids(prompt, max_new_tokens=tokens, stop_ids=()))
+    s = engine.stats
+    return {"load_s": load_s, "cold_ttft_s": load_s + s.ttft_s, "prefill_tok_s": len(prompt) / s.ttft_s,
+            "decode_tok_s": s.tok_per_s, "generated": len(out), "token_bytes": mosaic_token_bytes(engine),
+            "hit_rate": s.hit_rate, "tokens": out}
+
+
+def mosaic_token_bytes(engine) -> int:
+    """Weight bytes one decoded token reads: every backbone matrix but the embedding (a lookup), and the
+    top-k experts' records of each MoE layer."""
+    def nbytes(w) -> int:
+        if w is None or isinstance(w, tuple):
+            return sum(nbytes(x) for x in w or ())
+        if hasattr(w, "codes"):
+            return w.codes.nbytes + w.scales.nbytes
+        return w.nbytes if w.dim() == 2 else 0
+    model = engine.model
+    total = nbytes(model.lm_head)
+    for layer in model.layers:
+        total += sum(nbytes(getattr(layer, f)) for f in layer.__dataclass_fields__)
+    moe = len(engine.vault.moe_layers)
+    return total + moe * engine.arch["num_experts_per_tok"] * engine.vault.layout.payload_bytes
+
+
+def llama_worker(gguf: str, prompt: list[int], tokens: int, threads: int, repack: bool) -> dict:
+    t0 = time.perf_counter()
+    import ctypes
+
+    import llama_cpp as L
+    import numpy as np
+    L.llama_backend_init()
+    mp = L.llama_model_default_params()
+    mp.use_extra_bufts = repack
+    mp.load_mode = L.LLAMA_LOAD_MODE_MMAP
+    model = L.llama_model_load_from_file(gguf.encode(), mp)
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {gguf}")
+    cp = L.llama_context_default_params()
+    cp.n_ctx = cp.n_batch = cp.n_ubatch = len(prompt) + tokens + 8
+    cp.n_threads = cp.n_threads_batch = threads
+    ctx = L.llama_init_from_model(model, cp)
+    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    load_s = time.perf_counter() - t0
+
+    def feed(ids: list[int]) -> int:
+        arr = (L.llama_token * len(ids))(*ids)
+        if L.llama_decode(ctx, L.llama_batch_get_one(arr, len(ids))) != 0:
+            raise RuntimeError("llama_decode failed")
+        logits = np.ctypeslib.as_array(ctypes.cast(L.llama_get_logits_ith(ctx, -1), ctypes.POINTER(ctypes.c_float)),
+                                       shape=(n_vocab,))
+        return int(logits.argmax())
+
+    t = time.perf_counter()
+    out = [feed(prompt)]
+    ttft = time.perf_counter() - t
+    t = time.perf_counter()
+    for _ in range(tokens - 1):
+        out.append(feed([out[-1]]))
+    decode_s = time.perf_counter() - t
+    return {"load_s": load_s, "cold_ttft_s": load_s + ttft, "prefill_tok_s": len(prompt) / ttft,
+            "decode_tok_s": (tokens - 1) / decode_s, "generated": len(out), "tokens": out}
+
+
+def bandwidth(threads: int, reps: int = 5) -> float:
+    """Streaming read GB/s of a 1 GiB buffer (the roofline the kernel benchmark uses), median of reps."""
+    import numpy as np
+
+    from mosaic_runtime import _native
+    buf = np.ones(1 << 30, np.uint8)
+    rates = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        _native.kernels.stream_read(buf, threads)
+        rates.append(buf.nbytes / (time.perf_counter() - t) / 1e9)
+    return statistics.median(rates)
+
+
+# ---------------------------------------------------------------------------------------------- set-up
+
+def llama_source(given: str | None) -> Path:
+    """llama.cpp's tree as vendored in the llama-cpp-python sdist of the installed version."""
+    if given:
+        return Path(given)
+    version = importlib.metadata.version("llama-cpp-python")
+    root = DATA / "peer" / f"llama_cpp_python-{version}"
+    if not root.exists():
+        (DATA / "peer").mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                        "-d", str(DATA / "peer"), f"llama-cpp-python=={version}"], check=True)
+        with tarfile.open(DATA / "peer" / f"llama_cpp_python-{version}.tar.gz") as tar:
+            tar.extractall(DATA / "peer", filter="data")
+    return root / "vendor" / "llama.cpp"
+
+
+def convert_worker(src: str, ckpt: str, out: str) -> None:
+    """llama.cpp's convert_hf_to_gguf.py at bf16, declaring the tokenizer's pre-tokenizer as qwen2."""
+    sys.path[:0] = [src, str(Path(src) / "gguf-py")]
+    import conversion.base
+    conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+    import convert_hf_to_gguf
+    sys.argv = ["convert_hf_to_gguf.py", ckpt, "--outtype", "bf16", "--outfile", out]
+    convert_hf_to_gguf.main()
+
+
+def make_gguf(ckpt: Path, name: str, src: Path) -> Path:
+    q4 = DATA / "peer" / f"{name}.Q4_0.gguf"
+    if q4.exists():
+        return q4
+    bf16 = q4.with_suffix("").with_suffix(".bf16.gguf")
+    if not bf16.exists():
+        tmp = bf16.with_suffix(".partial")
+        subprocess.run([sys.executable, __file__, "--convert", str(src), str(ckpt), str(tmp)], check=True)
+        tmp.rename(bf16)
+    import llama_cpp as L
+    params = L.llama_model_quantize_default_params()
+    params.ftype = L.LLAMA_FTYPE_MOSTLY_Q4_0
+    params.nthread = os.cpu_count() or 1
+    tmp = q4.with_suffix(".partial")
+    if L.llama_model_quantize(str(bf16).encode(), str(tmp).encode(), params) != 0:
+        raise RuntimeError("llama_model_quantize failed")
+    tmp.rename(q4)
+    return q4
+
+
+def make_vault(ckpt: Path, name: str) -> Path:
+    out = DATA / "peer" / f"{name}-q4"
+    if not (out / "experts.vault").exists():
+        from mosaic_shatter.convert import convert
+        convert(str(ckpt), out, "q4", progress=False, force=True)
+    return out
+
+
+def random_checkpoint() -> Path:
+    """The 8-layer Qwen3-30B-geometry model of benchmarks/e2e_bench.py, with the bundled tokenizer beside it
+    (llama.cpp's converter needs one; token ids above its 4,096 become padding tokens in the GGUF)."""
+    ckpt = build_checkpoint(DATA / "qwen3-30b-geometry-8l", 8)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        if not (ckpt / f).exists():
+            shutil.copy(BUNDLED / f, ckpt / f)
+    return ckpt
+
+
+def prompt_for(case: str, n: int) -> list[int]:
+    if case == "c":  # real text the bundled model knows: the standard library's own source
+        from tokenizers import Tokenizer
+        import json as json_module
+        text = Path(json_module.__file__).read_text()
+        return Tokenizer.from_file(str(BUNDLED / "tokenizer.json")).encode(text).ids[:n]
+    return [(17 * i + 5) % 8192 for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="a,b,c")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--llama-src", help="llama.cpp source tree (default: the installed llama-cpp-python's sdist)")
+    ap.add_argument("--worker", nargs=2, metavar=("ENGINE", "JSON"), help=argparse.SUPPRESS)
+    ap.add_argument("--convert", nargs=3, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.convert:
+        return convert_worker(*args.convert)
+    if args.worker:
+        kind, spec = args.worker[0], json.loads(args.worker[1])
+        print(json.dumps((mosaic_worker if kind == "mosaic" else llama_worker)(**spec)))
+        return
+
+    src = llama_source(args.llama_src)
+    models = {}
+    if {"a", "b"} & set(args.cases.split(",")):
+        ckpt = random_checkpoint()
+        models["a"] = models["b"] = (make_vault(ckpt, "qwen3-30b-geometry-8l"), make_gguf(ckpt, "qwen3-30b-geometry-8l", src))
+    if "c" in args.cases.split(","):
+        models["c"] = (make_vault(BUNDLED, "stdlib-moe"), make_gguf(BUNDLED, "stdlib-moe", src))
+    print(f"llama-cpp-python {importlib.metadata.version('llama-cpp-python')}; threads {args.threads}; "
+          f"prompt {args.prompt} tokens, {args.tokens} decoded; page cache dropped before each run")
+    print("| case | engine | cold TTFT s | prefill tok/s | decode tok/s | decode vs llama.cpp Q4_0 | "
+          "MB per token | token time / (bytes / bandwidth) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for case in args.cases.split(","):
+        vault, gguf = models[case]
+        prompt = prompt_for(case, args.prompt)
+        limit = gguf.stat().st_size // 2 if case == "b" else None
+        if limit:
+            print(f"(b): cgroup limit {limit / 1e9:.2f} GB; Mosaic's ring {(limit - ENGINE_BYTES) / 1e9:.2f} GB")
+        runs: dict[str, list[dict]] = {}
+        bws = []
+        llama_configs = {"llama.cpp Q4_0 no-repack": False} if limit else LLAMA_CONFIGS  # repacked: no progress
+        for _ in range(args.rounds):
+            bws.append(bandwidth(args.threads))
+            for name, settings in list(MOSAIC_CONFIGS.items()) + list(llama_configs.items()):
+                base = dict(prompt=prompt, tokens=args.tokens, threads=args.threads)
+                if name.startswith("mosaic"):
+                    spec = dict(base, model=str(vault), ram_budget=limit - ENGINE_BYTES if limit else None, **settings)
+                    kind = "mosaic"
+                else:
+                    spec, kind = dict(base, gguf=str(gguf), repack=settings), "llama"
+                drop_caches()
+                cmd = [sys.executable, __file__, "--worker", kind, json.dumps(spec)]
+                runs.setdefault(name, []).append(run_worker(cmd, limit, timeout=900))
+        bw = statistics.median(bws)
+        token_bytes = {name: r[0].get("token_bytes") for name, r in runs.items()}
+        token_bytes.update({name: gguf_token_bytes(gguf, src) for name in llama_configs})
+        peer = statistics.median(r["decode_tok_s"] for r in runs[next(iter(llama_configs))])
+        for name, rs in runs.items():
+            med = lambda key: statistics.median(r[key] for r in rs)  # noqa: E731
+            tb = token_bytes[name]
+            roof = med("decode_tok_s") * tb / (bw * 1e9)
+            print(f"| ({case}) | {name} | {med('cold_ttft_s'):.2f} | {med('prefill_tok_s'):.1f} | "
+                  f"{med('decode_tok_s'):.1f} ({min(r['decode_tok_s'] for r in rs):.1f}-"
+                  f"{max(r['decode_tok_s'] for r in rs):.1f}) | {med('decode_tok_s') / peer:.2f}x | "
+                  f"{tb / 1e6:.0f} | {1 / roof:.2f} |", flush=True)
+        print(f"(case {case}) same-run streaming bandwidth: {', '.join(f'{b:.1f}' for b in bws)} GB/s")
+
+
+def gguf_token_bytes(path: Path, src: Path) -> int:
+    """Weight bytes a decoded token reads in llama.cpp: every tensor but the embedding (unless it is also the
+    tied head), experts scaled by top-k / experts (a merged expert tensor holds all of a layer's experts)."""
+    sys.path.insert(0, str(src / "gguf-py"))
+    import gguf
+    reader = gguf.GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+    top_k = reader.fields[f"{arch}.expert_used_count"].contents()
+    n_exp = reader.fields[f"{arch}.expert_count"].contents()
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    total = 0
+    for t in reader.tensors:
+        if t.name == "token_embd.weight" and not tied:
+            continue
+        total += t.n_bytes * top_k // n_exp if "_exps" in t.name else t.n_bytes
+    return total
+
+
+if __name__ == "__main__":
+    main()

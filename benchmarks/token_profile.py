@@ -1,0 +1,106 @@
+"""Where a decoded token's time goes, against the bytes it must read divided by the same-run bandwidth.
+
+    python benchmarks/token_profile.py [--model bench-data/e2e-8l-q4] [--kernel native-int8] [--backbone int8]
+
+Times every leaf step of the token loop (projections by kind, norms, rotary, attention, KV store, router,
+the expert executor split into native kernel, read wait and its Python side) by wrapping them, and reports
+the rest (embedding, residual adds, sampling, the loop itself) as glue. The wrappers cost about a
+microsecond a call, so the total is a little above an unwrapped run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.peer_bench import bandwidth, mosaic_token_bytes  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=str(ROOT / "bench-data" / "e2e-8l-q4"))
+    ap.add_argument("--kernel", default="native")
+    ap.add_argument("--backbone", default="bf16")
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--threads", type=int)
+    args = ap.parse_args()
+
+    import torch
+
+    from mosaic_runtime.engine import Engine
+    engine = Engine.open(args.model, kernel=args.kernel, backbone=args.backbone, threads=args.threads, max_seq=512)
+    model = engine.model
+    module = sys.modules[type(model).__module__]
+    spent: dict[str, float] = defaultdict(float)
+    kinds = {id(model.lm_head): "lm_head"}
+    for layer in model.layers:
+        if getattr(layer, "router", None) is not None:
+            kinds[id(layer.router)] = "router"
+
+    def timed(name_of, fn):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[name_of(*a)] += time.perf_counter() - t
+        return wrapper
+
+    module.linear = timed(lambda x, w: kinds.get(id(w), "projections"), module.linear)
+    module.rms_norm = timed(lambda *a: "norms", module.rms_norm)
+    module.cached_attention = timed(lambda *a: "attention", module.cached_attention)
+    if hasattr(module, "swiglu"):
+        module.swiglu = timed(lambda *a: "projections", module.swiglu)
+    model.route = timed(lambda *a: "router", model.route)
+    model.rotary.apply = timed(lambda *a: "rotary", model.rotary.apply)
+    model.kv.store = timed(lambda *a: "kv store", model.kv.store)
+    experts = model.experts
+
+    class TimedExperts:  # the engine also reads the executor's counters (kernel_s)
+        __call__ = staticmethod(timed(lambda *a: "experts", experts))
+
+        def __getattr__(self, name):
+            return getattr(experts, name)
+
+    model.experts = TimedExperts()
+
+    prompt = [(17 * i + 5) % engine.arch["vocab_size"] for i in range(32)]
+    list(engine.generate_ids(prompt, max_new_tokens=8))  # warm: records in the ring, pages touched
+    logits = model.forward(torch.tensor(prompt), 0)[-1]
+    token, pos = int(logits.argmax()), len(prompt)
+    spent.clear()
+    kernel0, io0 = experts.kernel_s, engine.store.io.io_s if engine.store else 0.0
+    t0 = time.perf_counter()
+    for _ in range(args.tokens):
+        token = int(model.forward(torch.tensor([token]), pos)[-1].argmax())
+        pos += 1
+    total = (time.perf_counter() - t0) / args.tokens
+    per = {k: v / args.tokens for k, v in spent.items()}
+    kernel = (experts.kernel_s - kernel0) / args.tokens
+    io = ((engine.store.io.io_s if engine.store else 0.0) - io0) / args.tokens
+    rows = [(k, v) for k, v in per.items() if k != "experts"]
+    rows += [("expert kernel (native)", kernel), ("expert read wait", io),
+             ("experts: Python side", per.get("experts", 0.0) - kernel - io)]
+    rows.append(("glue (embedding, residuals, loop)", total - sum(per.values())))
+    bw = bandwidth(args.threads or os.cpu_count() or 1)
+    need = mosaic_token_bytes(engine)
+    print(f"{args.model}: kernel={args.kernel} backbone={args.backbone}; {args.tokens} decoded tokens")
+    print("| step | ms per token | share |")
+    print("|---|---|---|")
+    for k, v in sorted(rows, key=lambda r: -r[1]):
+        print(f"| {k} | {v * 1e3:.2f} | {v / total:.0%} |")
+    print(f"| **total** | **{total * 1e3:.2f}** ({1 / total:.1f} tok/s) | |")
+    floor = need / (bw * 1e9)
+    print(f"\nbytes a token must read: {need / 1e6:.0f} MB; same-run bandwidth {bw:.1f} GB/s -> floor "
+          f"{floor * 1e3:.2f} ms; token time / floor = {total / floor:.2f}")
+
+
+if __name__ == "__main__":
+    main()
