@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -20,11 +21,14 @@ from .generate import Detokenizer, TextCodec, sample
 from .kv_cache import KVCache
 from .models import MODELS
 from .ops import set_threads
+from .tier import POLICIES, CostModel, DeviceExpertCache, TieredExperts, device_expert_budget
+from .tier.policy import TierCounters
 from .vault import open_vault
 from .vault.format import BACKBONE_FILE
 
 
 DEFAULT_IO = "buffered"  # chosen by benchmarks/reader_bench.py: see benchmarks/RESULTS.md
+DEFAULT_TIER_POLICY = "decayed-frequency"  # chosen by benchmarks/routing_bench.py: see benchmarks/RESULTS.md
 MARGIN_BYTES = 1 << 30  # left to the OS, Python and torch when sizing the ring from available memory
 
 
@@ -41,6 +45,8 @@ class Stats:
     new_tokens: int = 0
     ttft_s: float = 0.0  # prefill + first token
     decode_s: float = 0.0  # the tokens after the first
+    tier: dict[int, TierCounters] = field(default_factory=dict)  # layer -> device tier counters since open
+    device_bytes_copied: int = 0  # records promoted into the device cache since open
 
     @property
     def tok_per_s(self) -> float:
@@ -54,6 +60,12 @@ class Stats:
     @property
     def hit_rate(self) -> float:
         h, m = sum(self.hits.values()), sum(self.misses.values())
+        return h / (h + m) if h + m else 0.0
+
+    @property
+    def device_hit_rate(self) -> float:
+        """Share of routed experts that ran from the device cache (0 without a device tier)."""
+        h, m = sum(c.hits for c in self.tier.values()), sum(c.misses for c in self.tier.values())
         return h / (h + m) if h + m else 0.0
 
 
@@ -85,14 +97,17 @@ def ring_slots(vault, ram_budget: int | None, resident_bytes: int) -> int:
 
 
 class Engine:
-    def __init__(self, directory: Path, vault, store, model, codec: TextCodec | None):
+    def __init__(self, directory: Path, vault, store, model, codec: TextCodec | None, device=None):
         self.directory, self.vault, self.store, self.model, self.codec = directory, vault, store, model, codec
+        self.device = device  # where the backbone runs: None for the CPU, else a CUDA device
         self.stats = Stats()
         self._io_mark = self._kernel_mark = 0.0
 
     @classmethod
     def open(cls, path, ram_budget: int | None = None, io: str | None = None, threads: int | None = None, *,
-             max_seq: int = 4096, kernel: str = "native", backbone: str = "bf16", verbose: bool = False) -> "Engine":
+             max_seq: int = 4096, kernel: str = "native", backbone: str = "bf16", device: str | None = None,
+             vram_budget: int | None = None, tier_policy: str = DEFAULT_TIER_POLICY,
+             verbose: bool = False) -> "Engine":
         """Open a model directory written by `mosaic-shatter convert`.
 
         Args:
@@ -108,6 +123,13 @@ class Engine:
             backbone: "bf16" runs the backbone as stored (bit-faithful to the reference); "int8" or "fp8"
                 quantise its projections and lm_head at load, per output row (half the bytes per token;
                 see backbone.py for what is kept as stored, and benchmarks/RESULTS.md for the cost).
+            device: None runs everything on the CPU. "cuda" (or "cuda:N") puts the backbone and KV cache in
+                VRAM and adds the device expert tier: hot experts' quantised records are promoted into VRAM
+                and run there while the CPU kernel runs the cold ones (tier/). "cpu" adds the same tier with
+                host memory standing in for VRAM (the CPU-testable path; the backbone stays as on the CPU).
+            vram_budget: bytes for the device expert cache; default on CUDA: free VRAM minus the backbone,
+                the KV cache and a margin (tier/cost.py::device_expert_budget).
+            tier_policy: "decayed-frequency" (default) or "hit-threshold" (the seed's 3-hit rule).
             verbose: print notices (such as a Direct-I/O fallback) to stderr.
         Raises:
             VaultError: the directory is not a complete, valid vault.
@@ -115,6 +137,14 @@ class Engine:
         """
         if backbone not in BACKBONE_MODES:
             raise ValueError(f"backbone must be one of {BACKBONE_MODES}, not {backbone!r}")
+        dev = torch.device(device) if device is not None else None
+        on_cuda = dev is not None and dev.type == "cuda"
+        if dev is not None:  # refused before anything is opened or allocated
+            if kernel == "torch":
+                raise ValueError("a device tier needs kernel='native' or 'native-int8'")
+            if on_cuda and backbone != "bf16":
+                raise ValueError("on CUDA the backbone runs as stored: backbone='int8' and 'fp8' are CPU modes")
+            TieredExperts.check_args(dev, vram_budget, tier_policy)
         directory = Path(path).expanduser()
         vault = open_vault(directory)
         model_type = vault.arch["model_type"]
@@ -141,12 +171,23 @@ class Engine:
             experts = NativeExperts(store, threads, isa)
         else:
             raise ValueError(f"kernel must be 'native', 'native-int8' or 'torch', not {kernel!r}")
+        if dev is not None:
+            experts = TieredExperts.open(experts, dev, vram_budget, tier_policy, resident if on_cuda else 0)
         weights = prepare_backbone(load_file(directory / BACKBONE_FILE), backbone, vault.arch["tie_word_embeddings"])
-        model = MODELS[model_type](vault.arch, weights, experts, max_seq)
-        engine = cls(directory, vault, store, model, None)
+        if on_cuda:
+            weights = {name: w.to(dev) for name, w in weights.items()}
+        # On CUDA the model's own tensors (RoPE tables, KV pool, recurrent state) are made on the device.
+        with torch.device(dev) if on_cuda else contextlib.nullcontext():
+            model = MODELS[model_type](vault.arch, weights, experts, max_seq)
+        engine = cls(directory, vault, store, model, None, dev if on_cuda else None)
         if (directory / "tokenizer.json").is_file():
             engine.codec = TextCodec(directory)
         return engine
+
+    def _forward(self, ids, start: int) -> torch.Tensor:
+        """The model's float32 logits [T, V] on the CPU; on CUDA the step's own tensors are made there."""
+        with torch.device(self.device) if self.device is not None else contextlib.nullcontext():
+            return self.model.forward(torch.as_tensor(ids, dtype=torch.long), start).cpu()
 
     def _sync_stats(self) -> None:
         if self.store is None:
@@ -157,6 +198,10 @@ class Engine:
         s.bytes_read = self.store.io.bytes_read
         s.io_s = self.store.io.io_s - self._io_mark
         s.kernel_s = self.model.experts.kernel_s - self._kernel_mark
+        if isinstance(self.model.experts, TieredExperts):
+            tier = self.model.experts
+            s.tier = {layer: TierCounters(**vars(c)) for layer, c in sorted(tier.policy.counters.items())}
+            s.device_bytes_copied = tier.cache.bytes_copied
 
     @property
     def arch(self) -> dict:
@@ -175,9 +220,8 @@ class Engine:
 
     def logits(self, token_ids) -> torch.Tensor:
         """float32 logits [T, vocab] of a fresh forward pass over token_ids (the KV cache is reset)."""
-        ids = torch.as_tensor(list(token_ids), dtype=torch.long)
         self.model.kv.reset()
-        return self.model.forward(ids, 0)
+        return self._forward(list(token_ids), 0)
 
     def generate_ids(self, prompt_ids, *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                      top_k: int = 0, seed: int | None = None, stop_ids=(), cached: int = 0) -> Iterator[int]:
@@ -198,7 +242,7 @@ class Engine:
         if self.store is not None:  # io_s and kernel_s are per call; hits, misses and bytes since open
             self._io_mark, self._kernel_mark = self.store.io.io_s, self.model.experts.kernel_s
         t0 = time.perf_counter()
-        logits = self.model.forward(torch.as_tensor(list(prompt_ids), dtype=torch.long), cached)[-1]
+        logits = self._forward(list(prompt_ids), cached)[-1]
         for n in range(max_new_tokens):
             token = sample(logits, temperature, top_p, top_k, gen)
             s.new_tokens += 1
@@ -213,7 +257,7 @@ class Engine:
             yield token
             if n + 1 < max_new_tokens:
                 pos = self.model.kv.length
-                logits = self.model.forward(torch.tensor([token]), pos)[-1]
+                logits = self._forward([token], pos)[-1]
 
     def generate(self, prompt, *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, stop: list[str] | None = None) -> Iterator[str]:

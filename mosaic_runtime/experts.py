@@ -67,15 +67,17 @@ class NativeExperts:
         return self._scratch
 
     def __call__(self, layer, x, topk_weights, topk_ids):
-        ids = topk_ids.numpy()
-        w = topk_weights.float().numpy()
-        experts = np.unique(ids).tolist()  # ascending: the combine order
+        xs = x.float().contiguous().numpy()
+        ids, w = topk_ids.numpy(), topk_weights.float().numpy()
+        return torch.from_numpy(self.run(layer, xs, ids, w, np.unique(ids).tolist())).to(x.dtype)
+
+    def run(self, layer: int, xs: np.ndarray, ids: np.ndarray, w: np.ndarray, experts: list[int]) -> np.ndarray:
+        """sum over `experts` (ascending ids, a subset of those routed) of w * expert(x), as float32 [T, H]."""
         tokens, weights = [], []
         for e in experts:
             tok, slot = np.nonzero(ids == e)
             tokens.append(tok.astype(np.int32))
             weights.append(np.ascontiguousarray(w[tok, slot], dtype=np.float32))
-        xs = x.float().contiguous().numpy()
         y = np.zeros_like(xs)
         # A prefill chunk may name more experts than the ring holds: run them in ascending groups that fit.
         # y accumulates task by task in the same order either way, so grouping never changes a bit.
@@ -96,4 +98,4 @@ class NativeExperts:
                     raise RuntimeError(f"layer {layer}: expert {experts[g0 + failed]}'s slot held no record")
             finally:
                 self.store.release(slots)
-        return torch.from_numpy(y).to(x.dtype)
+        return y

@@ -34,6 +34,8 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
         y = np.empty((xs.shape[0], w.shape[0]), np.float32)
         _K.linear_quant(_ISA, _THREADS[0], w.codes.numpy(), w.scales.numpy(), w.fp8, xs.numpy(), y)
         return torch.from_numpy(y)
+    if w.device.type != "cpu":  # a backbone in VRAM: bf16 activations, float32 accumulation (cuBLAS)
+        return F.linear(x.to(w.dtype), w).float()
     if w.dtype != torch.bfloat16:
         return F.linear(x, w)
     xs = x.contiguous()

@@ -73,5 +73,18 @@ class Ring:
     def address(self) -> int:
         return self.native.address
 
+    def pin_for_cuda(self) -> None:
+        """Register the slots as pinned host memory (cudaHostRegister), so ring -> VRAM copies are DMA
+        transfers that run asynchronously, with no staging copy. Undone by close()."""
+        import torch
+        err = torch.cuda.cudart().cudaHostRegister(self.address, self._array.nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of the {self._array.nbytes:,}-byte ring failed: error {int(err)}")
+        self._pinned = True
+
     def close(self) -> None:
         self.native.shutdown()
+        if getattr(self, "_pinned", False):
+            import torch
+            torch.cuda.cudart().cudaHostUnregister(self.address)
+            self._pinned = False

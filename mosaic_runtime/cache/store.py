@@ -109,5 +109,13 @@ class ExpertStore:
             if self.ring.state(slot) == SlotState.IN_USE:
                 self.ring.set_state(slot, SlotState.READY)
 
+    def cached(self, layer: int, expert: int):
+        """The ring's copy of a record that is held and checked (uint8 view, no copy), else None. Counts
+        nothing and changes no LRU order: the device tier peeks here to promote an expert just run."""
+        slot = self.policy.where.get((layer, expert))
+        if slot is None or slot in self._reading or self.ring.state(slot) not in (SlotState.READY, SlotState.IN_USE):
+            return None
+        return self.ring.view(slot)
+
     def close(self) -> None:
         self.ring.close()

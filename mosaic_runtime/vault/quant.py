@@ -90,7 +90,7 @@ def _tiles(m: torch.Tensor) -> torch.Tensor:
     if (rows, cols) == (rb * FP8_BLOCK, cb * FP8_BLOCK):
         padded = m.float()
     else:
-        padded = torch.zeros(rb * FP8_BLOCK, cb * FP8_BLOCK, dtype=torch.float32)
+        padded = torch.zeros(rb * FP8_BLOCK, cb * FP8_BLOCK, dtype=torch.float32, device=m.device)
         padded[:rows, :cols] = m.float()
     return padded.view(rb, FP8_BLOCK, cb, FP8_BLOCK)
 

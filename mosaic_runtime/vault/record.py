@@ -27,10 +27,14 @@ def pack_record(layout: RecordLayout, planes: Planes) -> bytearray:
 
 
 def unpack_record(layout: RecordLayout, record) -> Planes:
-    """Views of the planes of a record buffer (bytes, bytearray or memoryview of record_bytes)."""
+    """The planes of a record buffer (bytes, bytearray or memoryview of record_bytes), copied once."""
     if len(record) < layout.payload_bytes:
         raise ValueError(f"record has {len(record)} bytes, layout needs {layout.payload_bytes}")
-    buf = torch.frombuffer(bytearray(record[:layout.payload_bytes]), dtype=torch.uint8)
+    return record_planes(layout, torch.frombuffer(bytearray(record[:layout.payload_bytes]), dtype=torch.uint8))
+
+
+def record_planes(layout: RecordLayout, buf: torch.Tensor) -> Planes:
+    """Views (no copy) of the planes of a record held in a uint8 tensor on any device (a VRAM cache slot)."""
     scale_dtype = SCALE_TORCH_DTYPES[layout.scale_dtype]
     planes = {}
     for proj in PROJECTIONS:
@@ -42,8 +46,9 @@ def unpack_record(layout: RecordLayout, record) -> Planes:
 
 
 def dequantize_record(layout: RecordLayout, record) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(gate [I, H], up [I, H], down [H, I]) in float32."""
-    planes = unpack_record(layout, record)
+    """(gate [I, H], up [I, H], down [H, I]) in float32, on the device of `record` when it is a uint8 tensor
+    (a device cache slot), else on the CPU."""
+    planes = record_planes(layout, record) if isinstance(record, torch.Tensor) else unpack_record(layout, record)
     out = []
     for proj in PROJECTIONS:
         codes, scales = planes[proj]
