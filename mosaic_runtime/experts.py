@@ -58,10 +58,15 @@ class NativeExperts:
         self.kernel_s = 0.0  # time inside the native call, for engine.stats
         self.isa = self._k.best_isa() if isa is None else isa
         self._scratch = np.zeros(0, np.float32)
+        self._need: dict[tuple[int, int], int] = {}  # (tasks' rows, largest task) -> scratch floats
+        self._token0 = np.zeros(1, np.int32)  # a decode step's one token, shared by all its tasks
 
     def _scratch_for(self, total: int, max_n: int):
-        need = self._k.scratch_floats(int(self.layout.quant), int(self.layout.scale_dtype), self.layout.hidden,
-                                      self.layout.intermediate, total, max_n, self.threads)
+        need = self._need.get((total, max_n))
+        if need is None:
+            need = self._need[(total, max_n)] = self._k.scratch_floats(
+                int(self.layout.quant), int(self.layout.scale_dtype), self.layout.hidden, self.layout.intermediate,
+                total, max_n, self.threads)
         if self._scratch.shape[0] < need:
             self._scratch = np.zeros(need, np.float32)
         return self._scratch
@@ -73,11 +78,17 @@ class NativeExperts:
 
     def run(self, layer: int, xs: np.ndarray, ids: np.ndarray, w: np.ndarray, experts: list[int]) -> np.ndarray:
         """sum over `experts` (ascending ids, a subset of those routed) of w * expert(x), as float32 [T, H]."""
-        tokens, weights = [], []
-        for e in experts:
-            tok, slot = np.nonzero(ids == e)
-            tokens.append(tok.astype(np.int32))
-            weights.append(np.ascontiguousarray(w[tok, slot], dtype=np.float32))
+        if ids.shape[0] == 1:  # decode: every task is the one token; its weight is where the expert was routed
+            col = {e: j for j, e in enumerate(ids[0].tolist())}
+            w0 = np.ascontiguousarray(w[0], dtype=np.float32)
+            tokens = [self._token0] * len(experts)
+            weights = [w0[col[e]:col[e] + 1] for e in experts]
+        else:
+            tokens, weights = [], []
+            for e in experts:
+                tok, slot = np.nonzero(ids == e)
+                tokens.append(tok.astype(np.int32))
+                weights.append(np.ascontiguousarray(w[tok, slot], dtype=np.float32))
         y = np.zeros_like(xs)
         # A prefill chunk may name more experts than the ring holds: run them in ascending groups that fit.
         # y accumulates task by task in the same order either way, so grouping never changes a bit.

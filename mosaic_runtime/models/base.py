@@ -9,7 +9,10 @@ from ..ops import linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, computed in float32 (as transformers' Qwen3MoeRMSNorm)."""
+    """RMSNorm over the last dim, computed in float32 (as transformers' Qwen3MoeRMSNorm), in one fused op
+    when activations are float32 (the token loop calls this 4 times a layer)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     x32 = x.float()
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -39,16 +42,22 @@ class Rotary:
             pos = pos / float(rope["scaling"]["factor"])
         freqs = torch.outer(pos, inv_freq)  # [P, rot/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, rot]
-        self.cos, self.sin = emb.cos(), emb.sin()
+        self.cos = emb.cos()
+        # rotate_half(x) * sin == roll(x, rot/2) * sin with its first half negated: the same products, one
+        # op instead of a slice, a negation and a concatenation.
+        self.signed_sin = emb.sin() * torch.cat([-torch.ones(self.rot_dim // 2), torch.ones(self.rot_dim // 2)])
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim] rotated at positions [T] (rotate-half convention)."""
-        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [T, 1, rot]
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables for positions [T], looked up once per forward pass and shared by every layer."""
+        return self.cos[positions][:, None, :], self.signed_sin[positions][:, None, :]  # [T, 1, rot]
+
+    def apply(self, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [T, heads, head_dim] rotated with tables = at(positions) (rotate-half convention)."""
+        cos, signed_sin = tables
+        if self.rot_dim == x.shape[-1]:
+            return x * cos + x.roll(self.rot_dim // 2, dims=-1) * signed_sin
         rot, rest = x[..., :self.rot_dim], x[..., self.rot_dim:]
-        half = self.rot_dim // 2
-        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-        out = rot * cos + rotated * sin
-        return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+        return torch.cat([rot * cos + rot.roll(self.rot_dim // 2, dims=-1) * signed_sin, rest], dim=-1)
 
 
 def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,

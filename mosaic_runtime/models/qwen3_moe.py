@@ -66,13 +66,12 @@ class Qwen3Moe:
         self.kv = KVCache(len(self.layers), max_seq, self.kv_heads, self.head_dim, dtype)
         self.scale = self.head_dim ** -0.5
 
-    def attention(self, i: int, layer: Layer, x: torch.Tensor, start: int) -> torch.Tensor:
+    def attention(self, i: int, layer: Layer, x: torch.Tensor, start: int, rope) -> torch.Tensor:
         t = x.shape[0]  # T new tokens, D head_dim
-        positions = torch.arange(start, start + t)
         q = rms_norm(linear(x, layer.q_proj).view(t, self.heads, self.head_dim), layer.q_norm, self.eps)
         k = rms_norm(linear(x, layer.k_proj).view(t, self.kv_heads, self.head_dim), layer.k_norm, self.eps)
         v = linear(x, layer.v_proj).view(t, self.kv_heads, self.head_dim)
-        q, k = self.rotary.apply(q, positions), self.rotary.apply(k, positions)
+        q, k = self.rotary.apply(q, rope), self.rotary.apply(k, rope)
         k_cache, v_cache = self.kv.store(i, start, k, v)
         return linear(cached_attention(q, k_cache, v_cache, start, self.scale), layer.o_proj)  # [T, H]
 
@@ -87,8 +86,9 @@ class Qwen3Moe:
     def forward(self, ids: torch.Tensor, start: int) -> torch.Tensor:
         """Logits [T, V] (float32) of tokens ids [T] at positions start..start+T-1; extends the KV cache."""
         x = self.embed[ids].to(self.dtype)  # [T, H]
+        rope = self.rotary.at(torch.arange(start, start + ids.shape[0]))  # shared by every layer
         for i, layer in enumerate(self.layers):
-            x = x + self.attention(i, layer, rms_norm(x, layer.input_norm, self.eps), start)
+            x = x + self.attention(i, layer, rms_norm(x, layer.input_norm, self.eps), start, rope)
             x = x + self.mlp(i, layer, rms_norm(x, layer.post_norm, self.eps))
         self.kv.length = start + ids.shape[0]
         return linear(rms_norm(x, self.norm, self.eps), self.lm_head).float()

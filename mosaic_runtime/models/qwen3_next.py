@@ -172,15 +172,14 @@ class Qwen3Next:
                               self.hv, self.dk, self.dv)
         self.scale = self.head_dim ** -0.5
 
-    def attention(self, layer: GatedAttention, slot: int, x: torch.Tensor, start: int) -> torch.Tensor:
+    def attention(self, layer: GatedAttention, slot: int, x: torch.Tensor, start: int, rope) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
-        positions = torch.arange(start, start + t)
         qg = linear(x, layer.q_proj).view(t, self.heads, 2 * d)
         q, gate = qg[..., :d], qg[..., d:].reshape(t, self.heads * d)
         q = rms_norm(q, layer.q_norm, self.eps)
         k = rms_norm(linear(x, layer.k_proj).view(t, self.kv_heads, d), layer.k_norm, self.eps)
         v = linear(x, layer.v_proj).view(t, self.kv_heads, d)
-        q, k = self.rotary.apply(q, positions), self.rotary.apply(k, positions)
+        q, k = self.rotary.apply(q, rope), self.rotary.apply(k, rope)
         k_cache, v_cache = self.kv.kv.store(slot, start, k, v)
         o = cached_attention(q, k_cache, v_cache, start, self.scale) * torch.sigmoid(gate)
         return linear(o, layer.o_proj)
@@ -232,10 +231,11 @@ class Qwen3Next:
             raise ValueError(f"context of {start + ids.shape[0]} tokens exceeds the KV cache ({self.kv.max_seq}); "
                              "open the engine with a larger max_seq")
         x = self.embed[ids].to(self.dtype)
+        rope = self.rotary.at(torch.arange(start, start + ids.shape[0]))  # shared by the attention layers
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, self.eps)
             if isinstance(layer.mixer, GatedAttention):
-                x = x + self.attention(layer.mixer, self.slot[i], h, start)
+                x = x + self.attention(layer.mixer, self.slot[i], h, start, rope)
             else:
                 x = x + self.delta_net(layer.mixer, self.slot[i], h)
             x = x + self.mlp(i, layer.mlp, rms_norm(x, layer.post_norm, self.eps))
