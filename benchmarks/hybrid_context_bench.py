@@ -76,15 +76,16 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--prefill-max", type=int, default=8_192)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=2, help="passes over the lengths, interleaved; medians reported")
+    ap.add_argument("--kv", default="float32", choices=["float32", "bfloat16"], help="the KV cache's dtype")
     args = ap.parse_args()
     vault = build(ROOT / "bench-data", args.layers, args.experts)
-    engine = Engine.open(vault, max_seq=max(LENGTHS) + args.steps + 1)
+    engine = Engine.open(vault, max_seq=max(LENGTHS) + args.steps + 1, kv_dtype=args.kv)
     gen = torch.Generator().manual_seed(0)
     state_bytes = engine.model.kv.state_bytes
     kv = engine.model.kv.kv
     page_bytes = 2 * kv.k.shape[0] * kv.k.shape[1] * kv.k[0, 0, 0].numel() * kv.k.element_size()
-    rows = []
-    for length in LENGTHS:
+    def decode(length: int) -> tuple[float, float | None, int]:
         prefill = fill(engine, length, args.prefill_max, gen)
         token, times = torch.tensor([1]), []
         for _ in range(args.steps):
@@ -92,11 +93,23 @@ def main() -> None:
             logits = engine.model.forward(token, engine.model.kv.length)
             times.append(time.perf_counter() - t)
             token = logits[-1:].argmax(-1)
-        rows.append((length, 1 / statistics.median(times), prefill, kv.pages_in_use * page_bytes))
+        return statistics.median(times), prefill, kv.pages_in_use * page_bytes
+
+    decode(LENGTHS[0])  # warm-up: first reads of the experts, first touch of the KV pages
+    runs: dict[int, list[tuple[float, float | None, int]]] = {n: [] for n in LENGTHS}
+    for _ in range(args.rounds):  # interleaved: this machine drifts by a third between runs
+        for length in LENGTHS:
+            runs[length].append(decode(length))
+    rows = []
+    for length, rs in runs.items():
+        prefills = [r[1] for r in rs if r[1] is not None]
+        rows.append((length, 1 / statistics.median(r[0] for r in rs),
+                     statistics.median(prefills) if prefills else None, rs[-1][2]))
     base = rows[0][1]
     print(f"{args.layers} layers ({engine.arch['layer_types'].count('linear_attention')} DeltaNet, "
           f"{engine.arch['layer_types'].count('full_attention')} full attention), {args.experts} experts, "
-          f"DeltaNet state {state_bytes / 2**20:.1f} MiB (constant)\n")
+          f"KV cache {args.kv}, DeltaNet state {state_bytes / 2**20:.1f} MiB (constant), "
+          f"{args.rounds} interleaved rounds\n")
     print("| context tokens | decode tok/s | vs 100 tokens | prefill tok/s | KV cache in use |")
     print("|---|---|---|---|---|")
     for length, tps, prefill, kv_bytes in rows:

@@ -28,6 +28,7 @@ from .vault.format import BACKBONE_FILE
 
 
 DEFAULT_IO = "buffered"  # chosen by benchmarks/reader_bench.py: see benchmarks/RESULTS.md
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_TIER_POLICY = "decayed-frequency"  # chosen by benchmarks/routing_bench.py: see benchmarks/RESULTS.md
 MARGIN_BYTES = 1 << 30  # left to the OS, Python and torch when sizing the ring from available memory
 
@@ -106,7 +107,7 @@ class Engine:
     @classmethod
     def open(cls, path, ram_budget: int | None = None, io: str | None = None, threads: int | None = None, *,
              max_seq: int = 4096, kernel: str = "native", backbone: str = "bf16", device: str | None = None,
-             vram_budget: int | None = None, tier_policy: str = DEFAULT_TIER_POLICY,
+             vram_budget: int | None = None, tier_policy: str = DEFAULT_TIER_POLICY, kv_dtype: str = "float32",
              verbose: bool = False) -> "Engine":
         """Open a model directory written by `mosaic-shatter convert`.
 
@@ -130,6 +131,8 @@ class Engine:
             vram_budget: bytes for the device expert cache; default on CUDA: free VRAM minus the backbone,
                 the KV cache and a margin (tier/cost.py::device_expert_budget).
             tier_policy: "decayed-frequency" (default) or "hit-threshold" (the seed's 3-hit rule).
+            kv_dtype: "float32" (default, exact) or "bfloat16": keys and values rounded to bf16 as they are
+                cached, half the KV memory (long contexts; logits move by the rounding).
             verbose: print notices (such as a Direct-I/O fallback) to stderr.
         Raises:
             VaultError: the directory is not a complete, valid vault.
@@ -137,6 +140,9 @@ class Engine:
         """
         if backbone not in BACKBONE_MODES:
             raise ValueError(f"backbone must be one of {BACKBONE_MODES}, not {backbone!r}")
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, not {kv_dtype!r}")
+        kv_torch_dtype = KV_DTYPES[kv_dtype]
         dev = torch.device(device) if device is not None else None
         on_cuda = dev is not None and dev.type == "cuda"
         if dev is not None:  # refused before anything is opened or allocated
@@ -166,7 +172,8 @@ class Engine:
             # stays as stored (its file size) and the KV cache is allocated for max_seq.
             arch = vault.arch
             resident = (directory / BACKBONE_FILE).stat().st_size + KVCache.bytes_for(
-                arch["num_hidden_layers"], max_seq, arch["num_key_value_heads"], arch["head_dim"])
+                arch["num_hidden_layers"], max_seq, arch["num_key_value_heads"], arch["head_dim"],
+                kv_torch_dtype.itemsize)
             store = ExpertStore(vault, ring_slots(vault, ram_budget, resident), io or DEFAULT_IO, notice=notice)
             experts = NativeExperts(store, threads, isa)
         else:
@@ -178,7 +185,7 @@ class Engine:
             weights = {name: w.to(dev) for name, w in weights.items()}
         # On CUDA the model's own tensors (RoPE tables, KV pool, recurrent state) are made on the device.
         with torch.device(dev) if on_cuda else contextlib.nullcontext():
-            model = MODELS[model_type](vault.arch, weights, experts, max_seq)
+            model = MODELS[model_type](vault.arch, weights, experts, max_seq, kv_dtype=kv_torch_dtype)
         engine = cls(directory, vault, store, model, None, dev if on_cuda else None)
         if (directory / "tokenizer.json").is_file():
             engine.codec = TextCodec(directory)

@@ -27,6 +27,11 @@ def set_threads(n: int) -> None:
     _THREADS[0] = n
 
 
+def threads() -> int:
+    """Threads the native backbone kernels use (set by Engine.open)."""
+    return _THREADS[0]
+
+
 def linear(x: torch.Tensor, w) -> torch.Tensor:
     """x [T, in] float32, w [out, in] bf16, float32 or a QuantizedMatrix -> [T, out] float32."""
     if isinstance(w, QuantizedMatrix):

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..ops import linear
+from .. import _native
+from ..ops import linear, threads
+
+_ISA = _native.kernels.best_isa()
+_DECODE_KERNELS = {torch.float32: _native.kernels.decode_attention, torch.bfloat16: _native.kernels.decode_attention_bf16}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -62,7 +67,26 @@ class Rotary:
 
 def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
                      scale: float) -> torch.Tensor:
-    """Causal GQA attention of T new queries at positions start..start+T-1 over cache[:start+T].
+    """Causal GQA attention of T new queries at positions start..start+T-1 over cache[:start+T]: a decode
+    step (T == 1) on the CPU runs the native kernel (native/src/attention.cpp, each key and value read
+    once for the query heads that share it); everything else, and the reference, is torch_attention."""
+    end = start + q.shape[0]
+    if q.shape[0] == 1 and q.device.type == "cpu" and k_cache.dtype in _DECODE_KERNELS:
+        k, v = k_cache[:, :end], v_cache[:, :end]
+        if k.stride(2) == 1 and k.stride(1) == k.shape[2] and v.stride(2) == 1 and v.stride(1) == v.shape[2]:
+            hq, d = q.shape[1], q.shape[2]
+            out = np.empty((hq, d), np.float32)
+            qs = q.reshape(hq, d).contiguous().numpy()
+            if k.dtype == torch.bfloat16:  # handed over as their bit patterns
+                k, v = k.view(torch.uint16), v.view(torch.uint16)
+            _DECODE_KERNELS[k_cache.dtype](_ISA, threads(), qs, k.numpy(), v.numpy(), scale, out)
+            return torch.from_numpy(out).view(1, hq * d)
+    return torch_attention(q, k_cache, v_cache, start, scale)
+
+
+def torch_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
+                    scale: float) -> torch.Tensor:
+    """Causal GQA attention of T new queries at positions start..start+T-1 over cache[:start+T], in torch.
 
     The query heads of one KV head are folded into the query rows, so keys and values are read in place,
     never repeated per query head (at 32k tokens that copy would cost more than the attention).
@@ -77,7 +101,7 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     end = start + t
     hkv = k_cache.shape[0]
     rep = hq // hkv  # query head j reads KV head j // rep
-    k, v = k_cache[:, :end], v_cache[:, :end]
+    k, v = k_cache[:, :end].to(q.dtype), v_cache[:, :end].to(q.dtype)  # a bf16 cache is widened here
     qh = q.reshape(t, hkv, rep, d).permute(1, 2, 0, 3).reshape(hkv, rep * t, d)  # rows: (r, t)
     if t == 1:  # decode sees every key; plain matmuls read the cache at 2x torch's fused CPU kernel here
         out = torch.softmax((qh @ k.transpose(1, 2)) * scale, dim=-1) @ v

@@ -33,12 +33,13 @@ class Layer:
 
 class Qwen3Moe:
     def __init__(self, arch: dict, weights: Mapping[str, torch.Tensor], experts: ExpertExecutor, max_seq: int,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype = torch.float32):
         """Args:
             arch: the vault's arch block.
             weights: backbone tensors by their checkpoint names.
             experts: runs the routed experts of a layer.
             max_seq: KV cache length, allocated here once.
+            kv_dtype: what the KV cache holds (float32, or bfloat16 for half the memory).
         """
         self.arch, self.experts, self.dtype = arch, experts, dtype
         self.heads, self.kv_heads, self.head_dim = arch["num_attention_heads"], arch["num_key_value_heads"], arch["head_dim"]
@@ -63,7 +64,7 @@ class Qwen3Moe:
                 router=w(p + "mlp.gate.weight") if moe else None,
                 mlp=None if moe else tuple(w(p + f"mlp.{n}_proj.weight") for n in ("gate", "up", "down"))))
         self.rotary = Rotary(arch["rope"], self.head_dim, max_seq)
-        self.kv = KVCache(len(self.layers), max_seq, self.kv_heads, self.head_dim, dtype)
+        self.kv = KVCache(len(self.layers), max_seq, self.kv_heads, self.head_dim, kv_dtype)
         self.scale = self.head_dim ** -0.5
 
     def attention(self, i: int, layer: Layer, x: torch.Tensor, start: int, rope) -> torch.Tensor:

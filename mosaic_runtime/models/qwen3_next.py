@@ -89,8 +89,8 @@ class HybridState:
     rewindable = False
 
     def __init__(self, n_attention: int, max_seq: int, kv_heads: int, head_dim: int, n_delta: int, channels: int,
-                 kernel: int, hv: int, dk: int, dv: int):
-        self.kv = KVCache(n_attention, max_seq, kv_heads, head_dim)
+                 kernel: int, hv: int, dk: int, dv: int, kv_dtype: torch.dtype = torch.float32):
+        self.kv = KVCache(n_attention, max_seq, kv_heads, head_dim, kv_dtype)
         self.conv = torch.zeros(n_delta, channels, kernel - 1)  # the last K-1 pre-conv inputs, oldest first
         self.recurrent = torch.zeros(n_delta, hv, dk, dv)
         self.length = 0
@@ -113,7 +113,7 @@ class HybridState:
 
 class Qwen3Next:
     def __init__(self, arch: dict, weights: Mapping[str, torch.Tensor], experts: ExpertExecutor, max_seq: int,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype = torch.float32):
         self.arch, self.experts, self.dtype = arch, experts, dtype
         self.heads, self.kv_heads, self.head_dim = arch["num_attention_heads"], arch["num_key_value_heads"], arch["head_dim"]
         self.eps, self.top_k = arch["rms_norm_eps"], arch["num_experts_per_tok"]
@@ -169,7 +169,7 @@ class Qwen3Next:
         self.rotary = Rotary(arch["rope"], self.head_dim, max_seq)
         channels = 2 * self.hk * self.dk + self.hv * self.dv
         self.kv = HybridState(n_att, max_seq, self.kv_heads, self.head_dim, n_delta, channels, self.kernel,
-                              self.hv, self.dk, self.dv)
+                              self.hv, self.dk, self.dv, kv_dtype)
         self.scale = self.head_dim ** -0.5
 
     def attention(self, layer: GatedAttention, slot: int, x: torch.Tensor, start: int, rope) -> torch.Tensor:

@@ -148,6 +148,31 @@ void init_kernels(nb::module_& m) {
     linear_quant(w.data(), scales.data(), fp8, static_cast<int>(w.shape(0)), static_cast<int>(w.shape(1)), x.data(),
                  static_cast<int>(x.shape(0)), y.data(), threads, Isa(isa));
   });
+  // q, out [heads, head_dim]; k, v [kv_heads, length, head_dim] with contiguous rows (any head stride),
+  // float32 or bf16 (as uint16 bit patterns).
+  auto attention = [](auto fn, int isa, int threads, Matrix q, auto k, auto v, float scale, OutMatrix out) {
+    const int64_t d = q.shape(1);
+    check(k.shape(2) == static_cast<size_t>(d) && v.shape(2) == static_cast<size_t>(d) &&
+              k.shape(0) == v.shape(0) && k.shape(1) == v.shape(1) && out.shape(0) == q.shape(0) &&
+              out.shape(1) == q.shape(1) && k.shape(0) > 0 && q.shape(0) % k.shape(0) == 0 && k.shape(1) > 0,
+          "decode_attention: shapes");
+    check(k.stride(2) == 1 && k.stride(1) == d && v.stride(2) == 1 && v.stride(1) == d,
+          "decode_attention: K and V rows must be contiguous");
+    check(isa_available(Isa(isa)), "decode_attention: this CPU lacks that ISA");
+    nb::gil_scoped_release release;
+    fn(q.data(), static_cast<int>(q.shape(0)), static_cast<int>(d), k.data(), v.data(), k.stride(0), v.stride(0),
+       static_cast<int>(k.shape(0)), static_cast<int>(k.shape(1)), scale, out.data(), threads, Isa(isa));
+  };
+  using F32Cache = nb::ndarray<const float, nb::ndim<3>, nb::device::cpu>;
+  using Bf16Cache = nb::ndarray<const uint16_t, nb::ndim<3>, nb::device::cpu>;
+  k.def("decode_attention", [attention](int isa, int threads, Matrix q, F32Cache k, F32Cache v, float scale,
+                                        OutMatrix out) {
+    attention(decode_attention, isa, threads, q, k, v, scale, out);
+  });
+  k.def("decode_attention_bf16", [attention](int isa, int threads, Matrix q, Bf16Cache k, Bf16Cache v, float scale,
+                                             OutMatrix out) {
+    attention(decode_attention_bf16, isa, threads, q, k, v, scale, out);
+  });
   k.def("stream_read", [](Bytes data, int threads) {
     nb::gil_scoped_release release;
     return stream_read(data.data(), data.shape(0), threads);

@@ -94,6 +94,17 @@ void linear_bf16(const uint16_t* w, int rows, int cols, const float* x, int n, f
 void linear_quant(const uint8_t* w, const float* scales, bool fp8, int rows, int cols, const float* x, int n,
                   float* y, int threads, Isa isa);
 
+// Decode attention of one token: out[h] = softmax(scale * q[h] . K[g]^T) V[g] over keys 0..length-1, with
+// g = h / (heads / kv_heads). q and out are [heads, head_dim]; K and V rows are head_dim floats, each KV
+// head's rows contiguous, heads k_head_stride / v_head_stride floats apart (the paged cache's layout).
+// Keys are cut into fixed chunks merged in order, so results do not depend on the thread count.
+void decode_attention(const float* q, int heads, int head_dim, const float* k, const float* v, int64_t k_head_stride,
+                      int64_t v_head_stride, int kv_heads, int length, float scale, float* out, int threads, Isa isa);
+// The same over a bf16 cache (K and V as bf16 bit patterns), widened to float32 exactly as they are read.
+void decode_attention_bf16(const float* q, int heads, int head_dim, const uint16_t* k, const uint16_t* v,
+                           int64_t k_head_stride, int64_t v_head_stride, int kv_heads, int length, float scale,
+                           float* out, int threads, Isa isa);
+
 // Reads n bytes once, split over threads (the roofline for benchmarks); returns a checksum.
 double stream_read(const uint8_t* data, uint64_t n, int threads);
 

@@ -1,0 +1,100 @@
+"""The native decode-attention kernel against the torch reference (torch_attention) on odd shapes, both
+cache dtypes, the paged cache's strided views, and any thread count; and the bf16 KV cache end to end."""
+
+import numpy as np
+import pytest
+import torch
+
+from builders import random_qwen3_moe
+from mosaic_runtime import _native
+from mosaic_runtime.engine import Engine
+from mosaic_runtime.kv_cache import KVCache
+from mosaic_runtime.models.base import cached_attention, torch_attention
+from mosaic_shatter.convert import convert
+
+K = _native.kernels
+ATOL = 2e-6  # float32 sums in another order, and a polynomial exp within 2 ulp
+
+# (query heads, KV heads, head_dim, keys): head_dim 40 takes the scalar loop, 80 the AVX-512 loop with a
+# run-time width, 64/128/256 the unrolled ones; lengths around the 16-key tile and the 512-key chunk.
+SHAPES = [(1, 1, 40, 1), (4, 2, 40, 37), (8, 2, 64, 1), (8, 2, 64, 15), (8, 2, 64, 16), (8, 2, 64, 17),
+          (6, 3, 80, 513), (32, 4, 128, 511), (32, 4, 128, 512), (16, 2, 256, 1100), (16, 1, 128, 700),
+          (64, 4, 128, 300)]
+
+
+def isas():
+    return [i for i in (K.SCALAR, K.AVX2, K.AVX512, K.AVX512_VNNI) if K.isa_available(i)]
+
+
+@pytest.mark.parametrize("hq,hkv,d,length", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_matches_torch(hq, hkv, d, length, dtype):
+    g = torch.Generator().manual_seed(hq * 1000 + length)
+    q = torch.randn(1, hq, d, generator=g)
+    k = (torch.randn(hkv, length, d, generator=g) * 2).to(dtype)
+    v = torch.randn(hkv, length, d, generator=g).to(dtype)
+    ref = torch_attention(q, k, v, length - 1, d ** -0.5)
+    torch.testing.assert_close(cached_attention(q, k, v, length - 1, d ** -0.5), ref, atol=ATOL, rtol=1e-5)
+    fn = K.decode_attention if dtype == torch.float32 else K.decode_attention_bf16
+    kk, vv = (k, v) if dtype == torch.float32 else (k.view(torch.uint16), v.view(torch.uint16))
+    outs = []
+    for isa in isas():
+        for threads in (1, 2, 3):
+            out = np.empty((hq, d), np.float32)
+            fn(isa, threads, q[0].contiguous().numpy(), kk.numpy(), vv.numpy(), d ** -0.5, out)
+            outs.append(out)
+            torch.testing.assert_close(torch.from_numpy(out).view(1, -1), ref, atol=ATOL, rtol=1e-5)
+    # Fixed chunks merged in order: the thread count never changes a bit (per ISA).
+    per_isa = len(outs) // len(isas())
+    for i in range(0, len(outs), per_isa):
+        assert all(np.array_equal(outs[i], o) for o in outs[i:i + per_isa])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_over_the_paged_cache(dtype):
+    """Keys through KVCache pages (a strided view of the head-major pool) and after a page gap (a gathered
+    copy): the kernel reads what torch reads."""
+    cache = KVCache(num_layers=2, max_seq=1024, kv_heads=2, head_dim=64, dtype=dtype, page_tokens=256)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 8, 64, generator=g)
+    k_new, v_new = torch.randn(700, 2, 64, generator=g), torch.randn(700, 2, 64, generator=g)
+    k, v = cache.store(1, 0, k_new, v_new)
+    assert k.stride(0) > k.shape[1] * k.shape[2]  # a view into the pool, heads far apart
+    ref = torch_attention(q, k, v, 699, 0.125)
+    torch.testing.assert_close(cached_attention(q, k, v, 699, 0.125), ref, atol=ATOL, rtol=1e-5)
+    cache.pages = [cache.pages[0], cache.pages[2], cache.pages[1]]  # out of order: gathered
+    k, v = cache._span(cache.k, 1, 700), cache._span(cache.v, 1, 700)
+    torch.testing.assert_close(cached_attention(q, k, v, 699, 0.125), torch_attention(q, k, v, 699, 0.125),
+                               atol=ATOL, rtol=1e-5)
+
+
+def test_kernel_refuses_what_it_cannot_read():
+    q = np.zeros((4, 64), np.float32)
+    out = np.empty_like(q)
+    k = np.zeros((2, 10, 64), np.float32)
+    with pytest.raises(ValueError, match="shapes"):
+        K.decode_attention(K.SCALAR, 1, q, k[:, :, :32], k[:, :, :32], 1.0, out)
+    with pytest.raises(ValueError, match="contiguous"):
+        K.decode_attention(K.SCALAR, 1, q, k[:, ::2], k[:, ::2], 1.0, out)
+    with pytest.raises(ValueError, match="shapes"):  # 4 query heads do not split over 3 KV heads
+        K.decode_attention(K.SCALAR, 1, q, np.zeros((3, 10, 64), np.float32), np.zeros((3, 10, 64), np.float32),
+                           1.0, out)
+
+
+def test_bf16_kv_cache_end_to_end(tmp_path):
+    """kv_dtype="bfloat16" halves the cache and moves logits by the rounding only: same greedy tokens on
+    this model, logits within 2e-2 of the float32 cache."""
+    ckpt = random_qwen3_moe(tmp_path / "ckpt", seed=7, eos_token_id=None, num_experts=8, num_experts_per_tok=2,
+                            num_hidden_layers=2)
+    model = convert(str(ckpt), tmp_path / "q4", "q4", progress=False).out
+    prompt = [3, 14, 15, 92, 65, 35, 89, 79]
+    runs = {}
+    for kv_dtype in ("float32", "bfloat16"):
+        with Engine.open(model, max_seq=64, kv_dtype=kv_dtype) as engine:
+            assert engine.model.kv.k.dtype == getattr(torch, kv_dtype)
+            tokens = list(engine.generate_ids(prompt, max_new_tokens=12))
+            runs[kv_dtype] = tokens, engine.logits(prompt + tokens)
+    assert runs["float32"][0] == runs["bfloat16"][0]
+    torch.testing.assert_close(runs["bfloat16"][1], runs["float32"][1], atol=2e-2, rtol=0)
+    with pytest.raises(ValueError, match="kv_dtype"):
+        Engine.open(model, max_seq=64, kv_dtype="float16")
