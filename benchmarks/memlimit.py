@@ -4,6 +4,7 @@ limit covers RAM and page cache together, as on a smaller machine), and read the
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -18,7 +19,7 @@ def run_worker(cmd: list[str], limit: int | None = None, timeout: float | None =
     cg.mkdir(exist_ok=True)
     try:
         (cg / "memory.limit_in_bytes").write_text(str(limit))
-        shell = f"echo $$ > {cg}/cgroup.procs; exec " + " ".join(cmd)
+        shell = f"echo $$ > {cg}/cgroup.procs; exec " + shlex.join(cmd)
         out = _last_json(subprocess.run(["bash", "-c", shell], capture_output=True, text=True, timeout=timeout))
         out["cgroup_max_usage"] = int((cg / "memory.max_usage_in_bytes").read_text())
         return out

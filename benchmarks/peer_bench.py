@@ -60,7 +60,7 @@ def mosaic_worker(model: str, prompt: list[int], tokens: int, threads: int, ram_
     s = engine.stats
     return {"load_s": load_s, "cold_ttft_s": load_s + s.ttft_s, "prefill_tok_s": len(prompt) / s.ttft_s,
             "decode_tok_s": s.tok_per_s, "generated": len(out), "token_bytes": mosaic_token_bytes(engine),
-            "hit_rate": s.hit_rate, "tokens": out}
+            "hit_rate": s.hit_rate, "read_per_token": s.bytes_read / (len(prompt) + len(out)), "tokens": out}
 
 
 def mosaic_token_bytes(engine) -> int:
@@ -237,8 +237,8 @@ def main() -> None:
     print(f"llama-cpp-python {importlib.metadata.version('llama-cpp-python')}; threads {args.threads}; "
           f"prompt {args.prompt} tokens, {args.tokens} decoded; page cache dropped before each run")
     print("| case | engine | cold TTFT s | prefill tok/s | decode tok/s | decode vs llama.cpp Q4_0 | "
-          "MB per token | token time / (bytes / bandwidth) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "weight MB per token | token time / (bytes / bandwidth) | Mosaic ring hit rate, MB read per token |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for case in args.cases.split(","):
         vault, gguf = models[case]
         prompt = prompt_for(case, args.prompt)
@@ -271,8 +271,15 @@ def main() -> None:
             print(f"| ({case}) | {name} | {med('cold_ttft_s'):.2f} | {med('prefill_tok_s'):.1f} | "
                   f"{med('decode_tok_s'):.1f} ({min(r['decode_tok_s'] for r in rs):.1f}-"
                   f"{max(r['decode_tok_s'] for r in rs):.1f}) | {med('decode_tok_s') / peer:.2f}x | "
-                  f"{tb / 1e6:.0f} | {1 / roof:.2f} |", flush=True)
+                  f"{tb / 1e6:.0f} | {1 / roof:.2f} | {ring_column(rs)} |", flush=True)
         print(f"(case {case}) same-run streaming bandwidth: {', '.join(f'{b:.1f}' for b in bws)} GB/s")
+
+
+def ring_column(runs: list[dict]) -> str:
+    if "hit_rate" not in runs[0]:
+        return "-"
+    return (f"{statistics.median(r['hit_rate'] for r in runs):.2f}, "
+            f"{statistics.median(r['read_per_token'] for r in runs) / 1e6:.0f}")
 
 
 def gguf_token_bytes(path: Path, src: Path) -> int:
