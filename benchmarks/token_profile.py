@@ -29,7 +29,9 @@ def main() -> None:
     ap.add_argument("--kernel", default="native")
     ap.add_argument("--backbone", default="bf16")
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--warm", type=int, default=96, help="tokens decoded before the timed ones")
     ap.add_argument("--threads", type=int)
+    ap.add_argument("--torch-path", action="store_true", help="decode through the torch ops, not the native layers")
     args = ap.parse_args()
 
     import torch
@@ -61,6 +63,10 @@ def main() -> None:
     model.route = timed(lambda *a: "router", model.route)
     model.rotary.apply = timed(lambda *a: "rotary", model.rotary.apply)
     model.kv.store = timed(lambda *a: "kv store", model.kv.store)
+    if getattr(model, "native_layers", None) is not None:  # the fused decode step (attention block + router)
+        model.native_layers = [timed(lambda *a: "native attention block + router", n) for n in model.native_layers]
+        if args.torch_path:
+            model.use_native_decode = False
     experts = model.experts
 
     class TimedExperts:  # the engine also reads the executor's counters (kernel_s)
@@ -72,7 +78,8 @@ def main() -> None:
     model.experts = TimedExperts()
 
     prompt = [(17 * i + 5) % engine.arch["vocab_size"] for i in range(32)]
-    list(engine.generate_ids(prompt, max_new_tokens=8))  # warm: records in the ring, pages touched
+    # Warm: every expert a decode step will use is read into the ring first (a steady state, not a cold one).
+    list(engine.generate_ids(prompt, max_new_tokens=args.warm))
     logits = model.forward(torch.tensor(prompt), 0)[-1]
     token, pos = int(logits.argmax()), len(prompt)
     spent.clear()
@@ -98,7 +105,9 @@ def main() -> None:
         print(f"| {k} | {v * 1e3:.2f} | {v / total:.0%} |")
     print(f"| **total** | **{total * 1e3:.2f}** ({1 / total:.1f} tok/s) | |")
     floor = need / (bw * 1e9)
-    print(f"\nbytes a token must read: {need / 1e6:.0f} MB; same-run bandwidth {bw:.1f} GB/s -> floor "
+    huge = next((line.split()[1] for line in open("/proc/self/smaps_rollup") if line.startswith("AnonHugePages")), "?")
+    print(f"\nanonymous memory on transparent huge pages: {int(huge) // 1024} MiB")
+    print(f"bytes a token must read: {need / 1e6:.0f} MB; same-run bandwidth {bw:.1f} GB/s -> floor "
           f"{floor * 1e3:.2f} ms; token time / floor = {total / floor:.2f}")
 
 

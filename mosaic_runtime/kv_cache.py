@@ -58,6 +58,21 @@ class KVCache:
             pos += n
         return self._span(self.k, layer, end), self._span(self.v, layer, end)
 
+    def contiguous_run(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Keys and values of every reserved page of one layer as [Hkv, pages * page_tokens, D] views when
+        the pages are one ascending run (position p is row p), else None."""
+        n = len(self.pages)
+        first = self.pages[0]
+        if self.pages != list(range(first, first + n)):
+            return None
+        heads, dim = self.k.shape[1], self.k.shape[4]
+        return (self.k[layer, :, first:first + n].reshape(heads, -1, dim),
+                self.v[layer, :, first:first + n].reshape(heads, -1, dim))
+
+    def reserve(self, end: int) -> None:
+        """Take pages from the pool until positions 0..end-1 have room (a step that writes them itself)."""
+        self._reserve(end)
+
     def reset(self) -> None:
         """Give every page back to the pool."""
         for page in self.pages:

@@ -8,13 +8,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+import numpy as np
 import torch
 
+from .. import _native
+from ..backbone import QuantizedMatrix
 from ..experts import ExpertExecutor
-from ..ops import linear
+from ..ops import linear, threads
 from ..kv_cache import KVCache
 from ..routing import ROUTERS
 from .base import Rotary, cached_attention, rms_norm, swiglu
+
+_ISA = _native.kernels.best_isa()
 
 
 @dataclass
@@ -66,6 +71,8 @@ class Qwen3Moe:
         self.rotary = Rotary(arch["rope"], self.head_dim, max_seq)
         self.kv = KVCache(len(self.layers), max_seq, self.kv_heads, self.head_dim, kv_dtype)
         self.scale = self.head_dim ** -0.5
+        self.native_layers = self._native_layers()  # the fused decode step, where it applies
+        self.use_native_decode = self.native_layers is not None
 
     def attention(self, i: int, layer: Layer, x: torch.Tensor, start: int, rope) -> torch.Tensor:
         t = x.shape[0]  # T new tokens, D head_dim
@@ -83,9 +90,64 @@ class Qwen3Moe:
         topk_weights, topk_ids = self.route(linear(x, layer.router), self.top_k, self.arch["norm_topk_prob"])
         return self.experts(i, x, topk_weights, topk_ids)
 
+    def _native_layers(self) -> list | None:
+        """One native DecodeLayer per layer (native/src/decode_layer.cpp): a decode step's attention block
+        and router in one call each. None where it does not apply: weights on a GPU or in float32, a
+        bf16 KV cache, activations other than float32."""
+        def matrix(w):
+            if isinstance(w, QuantizedMatrix):
+                return (w.codes.numpy(), w.scales.numpy(), 2 if w.fp8 else 1)
+            if w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous():
+                return (w.view(torch.uint16).numpy(), None, 0)
+            return None
+
+        if self.dtype != torch.float32 or self.kv.k.dtype != torch.float32 or self.kv.k.device.type != "cpu":
+            return None
+        geometry = dict(hidden=self.embed.shape[1], heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
+                        rot_dim=self.rotary.rot_dim, top_k=self.top_k, norm_topk_prob=int(self.arch["norm_topk_prob"]),
+                        eps=self.eps, scale=self.scale)
+        layers = []
+        for layer in self.layers:
+            mats = [matrix(w) for w in (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj)]
+            router = matrix(layer.router) if layer.router is not None else ()  # () for a dense layer
+            if any(m is None for m in mats) or router is None:
+                return None
+            layers.append(_native.kernels.DecodeLayer(
+                geometry, layer.input_norm.numpy(), layer.post_norm.numpy(), layer.q_norm.numpy(),
+                layer.k_norm.numpy(), *mats, router))
+        self._scratch = np.zeros(max(n.scratch_floats for n in layers), np.float32)
+        return layers
+
+    def _decode_native(self, token: int, pos: int) -> torch.Tensor:
+        """One decode step through the native layers; the same result as the torch path below, within
+        float rounding (tests/test_engine.py holds them together)."""
+        self.kv.reserve(pos + 1)
+        x = self.embed[token].to(torch.float32).numpy().copy()  # [H], updated in place layer by layer
+        h = np.empty_like(x)
+        weights, ids = np.empty(self.top_k, np.float32), np.empty(self.top_k, np.int32)
+        cos, signed_sin = self.rotary.cos[pos].numpy(), self.rotary.signed_sin[pos].numpy()
+        isa, n_threads = _ISA, threads()
+        for i, (layer, native) in enumerate(zip(self.layers, self.native_layers)):
+            k_run, v_run = self.kv.contiguous_run(i)
+            native(isa, n_threads, x, h, pos, cos, signed_sin, k_run.numpy(), v_run.numpy(), weights, ids,
+                   self._scratch)
+            ht = torch.from_numpy(h)[None]
+            if layer.mlp is not None:
+                x += swiglu(ht, *layer.mlp)[0].numpy()
+            else:
+                x += self.experts(i, ht, torch.from_numpy(weights)[None], torch.from_numpy(ids)[None])[0].numpy()
+        self.kv.length = pos + 1
+        return linear(rms_norm(torch.from_numpy(x)[None], self.norm, self.eps), self.lm_head).float()
+
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, start: int) -> torch.Tensor:
-        """Logits [T, V] (float32) of tokens ids [T] at positions start..start+T-1; extends the KV cache."""
+        """Logits [T, V] (float32) of tokens ids [T] at positions start..start+T-1; extends the KV cache.
+
+        A decode step (T == 1) runs the native layers when they apply (use_native_decode); everything
+        else, and the reference, runs the torch ops below.
+        """
+        if ids.shape[0] == 1 and self.use_native_decode and self._run_is_contiguous(start + 1):
+            return self._decode_native(int(ids[0]), start)
         x = self.embed[ids].to(self.dtype)  # [T, H]
         rope = self.rotary.at(torch.arange(start, start + ids.shape[0]))  # shared by every layer
         for i, layer in enumerate(self.layers):
@@ -93,3 +155,7 @@ class Qwen3Moe:
             x = x + self.mlp(i, layer, rms_norm(x, layer.post_norm, self.eps))
         self.kv.length = start + ids.shape[0]
         return linear(rms_norm(x, self.norm, self.eps), self.lm_head).float()
+
+    def _run_is_contiguous(self, end: int) -> bool:
+        self.kv.reserve(end)
+        return self.kv.contiguous_run(0) is not None

@@ -173,6 +173,98 @@ void init_kernels(nb::module_& m) {
                                              OutMatrix out) {
     attention(decode_attention_bf16, isa, threads, q, k, v, scale, out);
   });
+  // One Qwen3-MoE layer's decode step (native/src/decode_layer.cpp). Built once per layer from the
+  // backbone's arrays, which it keeps alive; called per token with the layer's cache run.
+  struct PyDecodeLayer {
+    DecodeLayer layer{};
+    std::vector<nb::ndarray<>> keep;  // the arrays the layer points into
+  };
+  using Floats1Out = nb::ndarray<float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+  using Ints1Out = nb::ndarray<int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+  using AnyMatrix = nb::ndarray<nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+  nb::class_<PyDecodeLayer>(k, "DecodeLayer")
+      .def("__init__", [](PyDecodeLayer* self, nb::dict g, Floats1 input_norm, Floats1 post_norm, Floats1 q_norm,
+                          Floats1 k_norm, nb::tuple q, nb::tuple kk, nb::tuple v, nb::tuple o, nb::tuple router) {
+        new (self) PyDecodeLayer();
+        DecodeLayer& L = self->layer;
+        auto geo = [&](const char* key) { return nb::cast<double>(g[key]); };
+        L.hidden = static_cast<int>(geo("hidden"));
+        L.heads = static_cast<int>(geo("heads"));
+        L.kv_heads = static_cast<int>(geo("kv_heads"));
+        L.head_dim = static_cast<int>(geo("head_dim"));
+        L.rot_dim = static_cast<int>(geo("rot_dim"));
+        L.top_k = static_cast<int>(geo("top_k"));
+        L.norm_topk_prob = geo("norm_topk_prob") != 0;
+        L.eps = static_cast<float>(geo("eps"));
+        L.scale = static_cast<float>(geo("scale"));
+        check(L.rot_dim <= L.head_dim && L.rot_dim <= 1024 && L.rot_dim % 2 == 0, "DecodeLayer: rot_dim");
+        check(L.kv_heads > 0 && L.heads % L.kv_heads == 0, "DecodeLayer: heads");
+        check(input_norm.shape(0) == static_cast<size_t>(L.hidden) && post_norm.shape(0) == input_norm.shape(0) &&
+                  q_norm.shape(0) == static_cast<size_t>(L.head_dim) && k_norm.shape(0) == q_norm.shape(0),
+              "DecodeLayer: norm sizes");
+        L.input_norm = input_norm.data();
+        L.post_norm = post_norm.data();
+        L.q_norm = q_norm.data();
+        L.k_norm = k_norm.data();
+        for (auto a : {input_norm, post_norm, q_norm, k_norm}) self->keep.push_back(nb::ndarray<>(a));
+        auto proj = [&](nb::tuple t, int rows, int cols, const char* name) {
+          BackboneMatrix p;
+          AnyMatrix w = nb::cast<AnyMatrix>(t[0]);
+          p.kind = static_cast<BackboneMatrix::Kind>(nb::cast<int>(t[2]));
+          const bool bf16 = p.kind == BackboneMatrix::Bf16;
+          check(bf16 ? w.dtype() == nb::dtype<uint16_t>() : w.dtype() == nb::dtype<uint8_t>(),
+                std::string("DecodeLayer: ") + name + " has the wrong dtype for its kind");
+          p.rows = static_cast<int>(w.shape(0));
+          p.cols = static_cast<int>(w.shape(1));
+          check((rows < 0 || p.rows == rows) && p.cols == cols, std::string("DecodeLayer: ") + name + " shape");
+          p.w = w.data();
+          self->keep.push_back(nb::ndarray<>(w));
+          if (!bf16) {
+            Floats1 sc = nb::cast<Floats1>(t[1]);
+            check(sc.shape(0) == static_cast<size_t>(p.rows), std::string("DecodeLayer: ") + name + " scales");
+            p.scales = sc.data();
+            self->keep.push_back(nb::ndarray<>(sc));
+          }
+          return p;
+        };
+        const int d = L.head_dim;
+        L.q = proj(q, L.heads * d, L.hidden, "q_proj");
+        L.k = proj(kk, L.kv_heads * d, L.hidden, "k_proj");
+        L.v = proj(v, L.kv_heads * d, L.hidden, "v_proj");
+        L.o = proj(o, L.hidden, L.heads * d, "o_proj");
+        if (router.size() != 0) {  // () for a dense layer
+          L.router = proj(router, -1, L.hidden, "router");
+          check(L.router.rows <= 1024 && L.top_k <= L.router.rows, "DecodeLayer: router size");
+        }
+      })
+      .def_prop_ro("scratch_floats", [](const PyDecodeLayer& self) { return decode_layer_scratch_floats(self.layer); })
+      .def("__call__", [](PyDecodeLayer& self, int isa, int threads, Floats1Out x, Floats1Out h, int pos, Floats1 cos,
+                          Floats1 signed_sin, F32Cache k_cache, F32Cache v_cache, Floats1Out topk_weights,
+                          Ints1Out topk_ids, Scratch scratch) {
+        DecodeLayer& L = self.layer;
+        const size_t d = static_cast<size_t>(L.head_dim);
+        check(x.shape(0) == static_cast<size_t>(L.hidden) && h.shape(0) == x.shape(0), "DecodeLayer: x/h size");
+        check(cos.shape(0) == static_cast<size_t>(L.rot_dim) && signed_sin.shape(0) == cos.shape(0),
+              "DecodeLayer: rope tables");
+        check(k_cache.shape(0) == static_cast<size_t>(L.kv_heads) && k_cache.shape(2) == d &&
+                  v_cache.shape(0) == k_cache.shape(0) && v_cache.shape(2) == d && pos >= 0 &&
+                  static_cast<size_t>(pos) < k_cache.shape(1) && static_cast<size_t>(pos) < v_cache.shape(1),
+              "DecodeLayer: cache run shape");
+        check(k_cache.stride(2) == 1 && k_cache.stride(1) == static_cast<int64_t>(d) && v_cache.stride(2) == 1 &&
+                  v_cache.stride(1) == static_cast<int64_t>(d), "DecodeLayer: cache rows must be contiguous");
+        check(L.router.rows == 0 || (topk_weights.shape(0) == static_cast<size_t>(L.top_k) &&
+                                     topk_ids.shape(0) == topk_weights.shape(0)), "DecodeLayer: top-k size");
+        check(scratch.shape(0) >= decode_layer_scratch_floats(L), "DecodeLayer: scratch too small");
+        check(isa_available(Isa(isa)), "DecodeLayer: this CPU lacks that ISA");
+        // The cache arrays are read-only views for nanobind; this call is their one writer.
+        L.k_cache = const_cast<float*>(k_cache.data());
+        L.v_cache = const_cast<float*>(v_cache.data());
+        L.k_head_stride = k_cache.stride(0);
+        L.v_head_stride = v_cache.stride(0);
+        nb::gil_scoped_release release;
+        decode_layer(L, x.data(), h.data(), pos, cos.data(), signed_sin.data(), topk_weights.data(), topk_ids.data(),
+                     scratch.data(), threads, Isa(isa));
+      });
   k.def("stream_read", [](Bytes data, int threads) {
     nb::gil_scoped_release release;
     return stream_read(data.data(), data.shape(0), threads);

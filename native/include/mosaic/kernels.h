@@ -105,6 +105,35 @@ void decode_attention_bf16(const float* q, int heads, int head_dim, const uint16
                            int64_t k_head_stride, int64_t v_head_stride, int kv_heads, int length, float scale,
                            float* out, int threads, Isa isa);
 
+// A backbone matrix as the runtime holds it: bf16 bit patterns, or int8 / E4M3 codes with a float32 scale
+// per row (backbone.QuantizedMatrix).
+struct BackboneMatrix {
+  enum Kind : int { Bf16 = 0, Int8 = 1, Fp8 = 2 };
+  const void* w = nullptr;
+  const float* scales = nullptr;  // int8 / fp8 only
+  Kind kind = Bf16;
+  int rows = 0, cols = 0;         // rows == 0: absent (the router of a dense layer)
+};
+
+// One Qwen3-MoE layer's attention block and router for a decode step (models/qwen3_moe.py holds the
+// reference). k_cache / v_cache point at position 0 of the layer's keys for KV head 0, rows head_dim
+// floats apart, heads *_head_stride floats apart (a run of pages of the paged cache).
+struct DecodeLayer {
+  int hidden, heads, kv_heads, head_dim, rot_dim, top_k;
+  bool norm_topk_prob;
+  float eps, scale;
+  const float *input_norm, *post_norm, *q_norm, *k_norm;
+  BackboneMatrix q, k, v, o, router;
+  float *k_cache, *v_cache;
+  int64_t k_head_stride, v_head_stride;
+};
+
+uint64_t decode_layer_scratch_floats(const DecodeLayer& layer);
+// x [hidden] += attention(x) at position pos (its K/V written to the cache); h = post-attention RMSNorm
+// of the new x; for an MoE layer, topk_ids / topk_weights [top_k] from the router (descending weight).
+void decode_layer(const DecodeLayer& layer, float* x, float* h, int pos, const float* cos, const float* signed_sin,
+                  float* topk_weights, int32_t* topk_ids, float* scratch, int threads, Isa isa);
+
 // Reads n bytes once, split over threads (the roofline for benchmarks); returns a checksum.
 double stream_read(const uint8_t* data, uint64_t n, int threads);
 

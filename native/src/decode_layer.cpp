@@ -1,0 +1,100 @@
+// One decode step of a Qwen3-MoE layer's attention block and router, in one call: RMSNorm, the q/k/v
+// projections, q/k RMSNorm, RoPE, the KV write, decode attention, the output projection and residual,
+// the post-attention RMSNorm and the router's softmax top-k. The routed experts stay with the caller
+// (they run from the expert ring). The torch path of models/qwen3_moe.py is the reference.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+#include "mosaic/kernels.h"
+
+namespace mosaic {
+namespace {
+
+void rms_norm(const float* x, const float* w, int n, float eps, float* y) {
+  double ss = 0.0;  // double: one pass, no cancellation worries over thousands of squares
+  for (int i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
+  const float inv = 1.0f / std::sqrt(static_cast<float>(ss / n) + eps);
+  for (int i = 0; i < n; ++i) y[i] = w[i] * (x[i] * inv);
+}
+
+void project(const BackboneMatrix& p, const float* x, float* y, int threads, Isa isa) {
+  if (p.kind == BackboneMatrix::Bf16) linear_bf16(static_cast<const uint16_t*>(p.w), p.rows, p.cols, x, 1, y, threads, isa);
+  else linear_quant(static_cast<const uint8_t*>(p.w), p.scales, p.kind == BackboneMatrix::Fp8, p.rows, p.cols, x, 1, y,
+                    threads, isa);
+}
+
+// Rotate-half RoPE of the first rot values of each head, with sin's first half negated (Rotary.at).
+void rope(float* x, int heads, int d, int rot, const float* cos, const float* signed_sin) {
+  const int half = rot / 2;
+  float tmp[1024];
+  for (int h = 0; h < heads; ++h) {
+    float* xh = x + static_cast<int64_t>(h) * d;
+    std::memcpy(tmp, xh, sizeof(float) * rot);
+    for (int i = 0; i < rot; ++i) xh[i] = tmp[i] * cos[i] + tmp[(i + half) % rot] * signed_sin[i];
+  }
+}
+
+}  // namespace
+
+uint64_t decode_layer_scratch_floats(const DecodeLayer& L) {
+  const int d = L.head_dim;
+  return static_cast<uint64_t>(L.hidden) * 2 + static_cast<uint64_t>(L.heads) * d * 2 +
+         static_cast<uint64_t>(L.kv_heads) * d * 2 + std::max(L.router.rows, 1);
+}
+
+void decode_layer(const DecodeLayer& L, float* x, float* h, int pos, const float* cos, const float* signed_sin,
+                  float* topk_weights, int32_t* topk_ids, float* scratch, int threads, Isa isa) {
+  const int H = L.hidden, d = L.head_dim, hq = L.heads, hkv = L.kv_heads;
+  float* normed = scratch;
+  float* q = normed + H;
+  float* attn = q + static_cast<int64_t>(hq) * d;
+  float* k = attn + static_cast<int64_t>(hq) * d;
+  float* v = k + static_cast<int64_t>(hkv) * d;
+  float* o = v + static_cast<int64_t>(hkv) * d;
+  float* logits = o + H;
+
+  rms_norm(x, L.input_norm, H, L.eps, normed);
+  project(L.q, normed, q, threads, isa);
+  project(L.k, normed, k, threads, isa);
+  project(L.v, normed, v, threads, isa);
+  for (int g = 0; g < hq; ++g) rms_norm(q + static_cast<int64_t>(g) * d, L.q_norm, d, L.eps, q + static_cast<int64_t>(g) * d);
+  for (int g = 0; g < hkv; ++g) rms_norm(k + static_cast<int64_t>(g) * d, L.k_norm, d, L.eps, k + static_cast<int64_t>(g) * d);
+  rope(q, hq, d, L.rot_dim, cos, signed_sin);
+  rope(k, hkv, d, L.rot_dim, cos, signed_sin);
+  // This position's keys and values into the cache, one row per KV head.
+  for (int g = 0; g < hkv; ++g) {
+    std::memcpy(L.k_cache + g * L.k_head_stride + static_cast<int64_t>(pos) * d, k + static_cast<int64_t>(g) * d,
+                sizeof(float) * d);
+    std::memcpy(L.v_cache + g * L.v_head_stride + static_cast<int64_t>(pos) * d, v + static_cast<int64_t>(g) * d,
+                sizeof(float) * d);
+  }
+  decode_attention(q, hq, d, L.k_cache, L.v_cache, L.k_head_stride, L.v_head_stride, hkv, pos + 1, L.scale, attn,
+                   threads, isa);
+  project(L.o, attn, o, threads, isa);
+  for (int i = 0; i < H; ++i) x[i] += o[i];
+  rms_norm(x, L.post_norm, H, L.eps, h);
+  if (L.router.rows == 0) return;  // a dense layer: the caller runs its MLP on h
+
+  // Router: softmax over every expert in float32, the top k, renormalised if the model says so.
+  const int E = L.router.rows;
+  project(L.router, h, logits, threads, isa);
+  const float mx = *std::max_element(logits, logits + E);
+  float sum = 0.f;
+  for (int e = 0; e < E; ++e) sum += (logits[e] = std::exp(logits[e] - mx));
+  for (int e = 0; e < E; ++e) logits[e] /= sum;
+  int32_t order[1024];
+  std::iota(order, order + E, 0);
+  std::partial_sort(order, order + L.top_k, order + E, [&](int32_t a, int32_t b) {
+    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+  });
+  float picked = 0.f;
+  for (int j = 0; j < L.top_k; ++j) picked += logits[order[j]];
+  for (int j = 0; j < L.top_k; ++j) {
+    topk_ids[j] = order[j];
+    topk_weights[j] = L.norm_topk_prob ? logits[order[j]] / picked : logits[order[j]];
+  }
+}
+
+}  // namespace mosaic
