@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--worker")
     ap.add_argument("--io", default="buffered")
     ap.add_argument("--ram-budget", type=int)
-    ap.add_argument("--backbone", default="bf16", choices=["bf16", "int8", "fp8"])
+    ap.add_argument("--backbone", default="bf16", choices=["bf16", "int8", "fp8", "q4"])
     ap.add_argument("--engine-bytes", type=int, default=850 << 20,
                     help="case (b): memory the engine needs besides the ring (backbone, torch, KV cache)")
     args = ap.parse_args()

@@ -14,6 +14,10 @@ to Q4_0. The converter refuses tokenizers whose pre-tokenizer it does not know b
 byte-level BPE is declared "qwen2". Both engines are fed the same token ids, so llama.cpp's tokenizer
 never runs.
 
+Decode feeds both engines the same fixed tokens rather than each one's own greedy choice: a random-weight
+model repeats one token greedily, which would route every step to the same experts and make the memory
+limit of case (b) meaningless.
+
 Printed per run: cold time to first token (process start to first token: load + prefill), prefill tok/s,
 decode tok/s, the weight bytes a decoded token must read, and that divided by the same-run bandwidth.
 """
@@ -42,6 +46,7 @@ BUNDLED = ROOT / "examples" / "stdlib-moe"
 MOSAIC_CONFIGS = {  # name -> Engine.open settings
     "mosaic default": dict(kernel="native", backbone="bf16"),
     "mosaic int8": dict(kernel="native-int8", backbone="int8"),
+    "mosaic q4": dict(kernel="native-int8", backbone="q4"),
 }
 LLAMA_CONFIGS = {"llama.cpp Q4_0": True, "llama.cpp Q4_0 no-repack": False}  # name -> weight repacking
 ENGINE_BYTES = 850 << 20  # case (b): what Mosaic needs besides its ring (backbone, torch, KV cache)
@@ -49,18 +54,26 @@ ENGINE_BYTES = 850 << 20  # case (b): what Mosaic needs besides its ring (backbo
 
 # ---------------------------------------------------------------------------------------------- workers
 
-def mosaic_worker(model: str, prompt: list[int], tokens: int, threads: int, ram_budget: int | None,
+def mosaic_worker(model: str, prompt: list[int], decode: list[int], threads: int, ram_budget: int | None,
                   kernel: str, backbone: str) -> dict:
     t0 = time.perf_counter()
     from mosaic_runtime.engine import Engine
-    engine = Engine.open(model, ram_budget=ram_budget, threads=threads, max_seq=len(prompt) + tokens + 8,
+    engine = Engine.open(model, ram_budget=ram_budget, threads=threads, max_seq=len(prompt) + len(decode) + 8,
                          kernel=kernel, backbone=backbone)
     load_s = time.perf_counter() - t0
-    out = list(engine.generate_ids(prompt, max_new_tokens=tokens, stop_ids=()))
+    first = next(engine.generate_ids(prompt, max_new_tokens=1, stop_ids=()))
+    ttft = engine.stats.ttft_s
+    t = time.perf_counter()
+    pos = len(prompt)
+    for token in decode:  # fed, not sampled: see the module docstring
+        engine._forward([token], pos)
+        pos += 1
+    decode_s = time.perf_counter() - t
+    engine._sync_stats()
     s = engine.stats
-    return {"load_s": load_s, "cold_ttft_s": load_s + s.ttft_s, "prefill_tok_s": len(prompt) / s.ttft_s,
-            "decode_tok_s": s.tok_per_s, "generated": len(out), "token_bytes": mosaic_token_bytes(engine),
-            "hit_rate": s.hit_rate, "read_per_token": s.bytes_read / (len(prompt) + len(out)), "tokens": out}
+    return {"load_s": load_s, "cold_ttft_s": load_s + ttft, "prefill_tok_s": len(prompt) / ttft,
+            "decode_tok_s": len(decode) / decode_s, "token_bytes": mosaic_token_bytes(engine),
+            "hit_rate": s.hit_rate, "read_per_token": s.bytes_read / pos, "first": first}
 
 
 def mosaic_token_bytes(engine) -> int:
@@ -80,7 +93,7 @@ def mosaic_token_bytes(engine) -> int:
     return total + moe * engine.arch["num_experts_per_tok"] * engine.vault.layout.payload_bytes
 
 
-def llama_worker(gguf: str, prompt: list[int], tokens: int, threads: int, repack: bool) -> dict:
+def llama_worker(gguf: str, prompt: list[int], decode: list[int], threads: int, repack: bool) -> dict:
     t0 = time.perf_counter()
     import ctypes
 
@@ -94,7 +107,7 @@ def llama_worker(gguf: str, prompt: list[int], tokens: int, threads: int, repack
     if not model:
         raise RuntimeError(f"llama.cpp could not load {gguf}")
     cp = L.llama_context_default_params()
-    cp.n_ctx = cp.n_batch = cp.n_ubatch = len(prompt) + tokens + 8
+    cp.n_ctx = cp.n_batch = cp.n_ubatch = len(prompt) + len(decode) + 8
     cp.n_threads = cp.n_threads_batch = threads
     ctx = L.llama_init_from_model(model, cp)
     n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
@@ -109,14 +122,14 @@ def llama_worker(gguf: str, prompt: list[int], tokens: int, threads: int, repack
         return int(logits.argmax())
 
     t = time.perf_counter()
-    out = [feed(prompt)]
+    first = feed(prompt)
     ttft = time.perf_counter() - t
     t = time.perf_counter()
-    for _ in range(tokens - 1):
-        out.append(feed([out[-1]]))
+    for token in decode:
+        feed([token])
     decode_s = time.perf_counter() - t
     return {"load_s": load_s, "cold_ttft_s": load_s + ttft, "prefill_tok_s": len(prompt) / ttft,
-            "decode_tok_s": (tokens - 1) / decode_s, "generated": len(out), "tokens": out}
+            "decode_tok_s": len(decode) / decode_s, "first": first}
 
 
 def bandwidth(threads: int, reps: int = 5) -> float:
@@ -198,13 +211,18 @@ def random_checkpoint() -> Path:
     return ckpt
 
 
-def prompt_for(case: str, n: int) -> list[int]:
-    if case == "c":  # real text the bundled model knows: the standard library's own source
+def token_stream(case: str, n: int) -> list[int]:
+    """The ids both engines are fed: the prompt, then the decoded tokens. Case (c): real text the bundled
+    model knows (the standard library's own source); (a), (b): a fixed pseudo-random stream over the
+    vocabulary, so routing varies from token to token as with real text."""
+    if case == "c":
         from tokenizers import Tokenizer
         import json as json_module
         text = Path(json_module.__file__).read_text()
         return Tokenizer.from_file(str(BUNDLED / "tokenizer.json")).encode(text).ids[:n]
-    return [(17 * i + 5) % 8192 for i in range(n)]
+    import random
+    rng = random.Random(0)
+    return [rng.randrange(8192) for _ in range(n)]
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -241,7 +259,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for case in args.cases.split(","):
         vault, gguf = models[case]
-        prompt = prompt_for(case, args.prompt)
+        stream = token_stream(case, args.prompt + args.tokens)
+        prompt, decode = stream[:args.prompt], stream[args.prompt:]
         limit = gguf.stat().st_size // 2 if case == "b" else None
         if limit:
             print(f"(b): cgroup limit {limit / 1e9:.2f} GB; Mosaic's ring {(limit - ENGINE_BYTES) / 1e9:.2f} GB")
@@ -251,7 +270,7 @@ def main() -> None:
         for _ in range(args.rounds):
             bws.append(bandwidth(args.threads))
             for name, settings in list(MOSAIC_CONFIGS.items()) + list(llama_configs.items()):
-                base = dict(prompt=prompt, tokens=args.tokens, threads=args.threads)
+                base = dict(prompt=prompt, decode=decode, threads=args.threads)
                 if name.startswith("mosaic"):
                     spec = dict(base, model=str(vault), ram_budget=limit - ENGINE_BYTES if limit else None, **settings)
                     kind = "mosaic"

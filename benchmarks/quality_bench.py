@@ -64,7 +64,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for quant, kernel, backbone in (("fp8", "native", "bf16"), ("q4", "native", "bf16"),
                                         ("q4", "native-int8", "bf16"), ("q4", "native", "int8"),
-                                        ("q4", "native", "fp8")):
+                                        ("q4", "native", "fp8"), ("q4", "native", "q4")):
             out = Path(tmp) / quant
             if not out.exists():
                 convert(str(args.model), out, quant, progress=False)

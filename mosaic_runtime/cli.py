@@ -82,7 +82,7 @@ def main() -> None:
 @click.option("--io", type=click.Choice(["direct", "buffered"]), help="expert reads (default: buffered)")
 @click.option("--max-seq", type=int, default=4096, show_default=True, help="longest conversation, in tokens")
 @click.option("--seed", type=int, default=None, help="seed for sampling")
-@click.option("--backbone", type=click.Choice(["bf16", "int8", "fp8"]), default="bf16", show_default=True,
+@click.option("--backbone", type=click.Choice(["bf16", "int8", "fp8", "q4"]), default="bf16", show_default=True,
               help="backbone precision: as stored, or its projections quantised at load (faster, inexact)")
 def chat(model, system, temperature, top_p, max_tokens, ram_budget, io, max_seq, seed, backbone) -> None:
     """Chat with a model directory written by `mosaic-shatter convert`."""

@@ -21,7 +21,7 @@ from .generate import Detokenizer, TextCodec, sample
 from .kv_cache import KVCache
 from .models import MODELS
 from .ops import set_threads
-from .tier import POLICIES, CostModel, DeviceExpertCache, TieredExperts, device_expert_budget
+from .tier import TieredExperts
 from .tier.policy import TierCounters
 from .vault import open_vault
 from .vault.format import BACKBONE_FILE
@@ -122,8 +122,9 @@ class Engine:
                 logits no longer bit-faithful to the float reference); "torch" dequantises records and uses
                 torch ops (the reference, no ring).
             backbone: "bf16" runs the backbone as stored (bit-faithful to the reference); "int8" or "fp8"
-                quantise its projections and lm_head at load, per output row (half the bytes per token;
-                see backbone.py for what is kept as stored, and benchmarks/RESULTS.md for the cost).
+                quantise its projections and lm_head at load, per output row (half the bytes per token);
+                "q4" in the vault's Q4_G32 layout (a quarter; int8 activations under VNNI). See
+                backbone.py for what is kept as stored, and benchmarks/RESULTS.md for the cost.
             device: None runs everything on the CPU. "cuda" (or "cuda:N") puts the backbone and KV cache in
                 VRAM and adds the device expert tier: hot experts' quantised records are promoted into VRAM
                 and run there while the CPU kernel runs the cold ones (tier/). "cpu" adds the same tier with

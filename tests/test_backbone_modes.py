@@ -1,11 +1,11 @@
-"""Backbone quantised at load (int8, fp8): close to bf16 on the bundled model and on a hybrid model whose
+"""Backbone quantised at load (int8, fp8, q4): close to bf16 on the bundled model and on a hybrid model whose
 fused projections are un-fused after quantisation; bf16 stays the exact default."""
 
 import pytest
 import torch
 
 from builders import tiny_hybrid
-from mosaic_runtime.backbone import QuantizedMatrix
+from mosaic_runtime.backbone import Q4Matrix, QuantizedMatrix
 from mosaic_runtime.engine import Engine
 from mosaic_shatter.convert import convert
 from test_bundled_model import MODEL, SNIPPET
@@ -16,29 +16,31 @@ def bundled(tmp_path_factory):
     return convert(str(MODEL), tmp_path_factory.mktemp("bb") / "q4", "q4", progress=False).out
 
 
-@pytest.mark.parametrize("mode, agree", [("int8", 0.97), ("fp8", 0.93)])
+@pytest.mark.parametrize("mode, agree", [("int8", 0.97), ("fp8", 0.93), ("q4", 0.80)])
 def test_quantised_backbone_stays_close_to_bf16(bundled, mode, agree):
     exact = Engine.open(bundled, max_seq=256)
     quant = Engine.open(bundled, max_seq=256, backbone=mode)
-    assert isinstance(quant.model.layers[0].q_proj, QuantizedMatrix)
-    assert isinstance(quant.model.lm_head, QuantizedMatrix) and not isinstance(quant.model.embed, QuantizedMatrix)
+    kind = Q4Matrix if mode == "q4" else QuantizedMatrix
+    assert isinstance(quant.model.layers[0].q_proj, kind)
+    assert isinstance(quant.model.lm_head, kind) and not isinstance(quant.model.embed, kind)
     ids = exact.codec.encode(SNIPPET)
     a, b = exact.logits(ids), quant.logits(ids)
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= agree
     assert (a - b).abs().max() < 0.1 * a.abs().max()
 
 
-def test_hybrid_fused_projections_are_unfused_after_quantisation(tmp_path):
+@pytest.mark.parametrize("mode", ["int8", "q4"])
+def test_hybrid_fused_projections_are_unfused_after_quantisation(tmp_path, mode):
     """Qwen3-Next's in_proj_qkvz/in_proj_ba are quantised as stored, then un-fused: a row permutation, so
     the result must equal quantising the un-fused bf16 rows (per-row scales commute with it)."""
     from mosaic_runtime.backbone import quantize_matrix
     ckpt = tiny_hybrid("qwen3_next", tmp_path / "next", seed=4)
     out = convert(str(ckpt), tmp_path / "q4", "q4", progress=False).out
-    exact, quant = Engine.open(out, max_seq=64), Engine.open(out, max_seq=64, backbone="int8")
+    exact, quant = Engine.open(out, max_seq=64), Engine.open(out, max_seq=64, backbone=mode)
     delta = [i for i, t in enumerate(exact.arch["layer_types"]) if t == "linear_attention"]
     for i in delta:
         for part in ("qkv", "z", "b", "a"):
-            want = quantize_matrix(getattr(exact.model.layers[i].mixer, part), "int8")
+            want = quantize_matrix(getattr(exact.model.layers[i].mixer, part), mode)
             got = getattr(quant.model.layers[i].mixer, part)
             assert torch.equal(got.codes, want.codes) and torch.equal(got.scales, want.scales), (i, part)
     quant.logits([1, 2, 3])  # and it runs

@@ -31,7 +31,7 @@ def decode(engine, native: bool):
     return torch.stack(logits)
 
 
-@pytest.mark.parametrize("backbone", ["bf16", "int8", "fp8"])
+@pytest.mark.parametrize("backbone", ["bf16", "int8", "fp8", "q4"])
 def test_native_decode_step_matches_the_torch_path(model_dir, backbone):
     with Engine.open(model_dir, max_seq=64, backbone=backbone) as engine:
         assert engine.model.native_layers is not None

@@ -176,10 +176,29 @@ def test_linear_quant_matches_its_dequantised_matrix(rows, cols, n, seed, isa, m
     assert ((torch.from_numpy(y).double() - ref).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("mode, worst", [("int8", 0.02), ("fp8", 0.07)])
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 70), cols=st.integers(1, 300), n=st.integers(1, 6), seed=st.integers(0, 1000),
+       isa=st.sampled_from(ISAS))
+def test_linear_q4_matches_its_dequantised_matrix(rows, cols, n, seed, isa):
+    """The Q4 backbone GEMV (the expert kernels' matvec over row blocks) against its dequantised matrix:
+    float ISAs to float rounding, VNNI within its int8 activations' error."""
+    from mosaic_runtime.backbone import quantize_matrix
+    g = torch.Generator().manual_seed(seed)
+    q = quantize_matrix(torch.randn(rows, cols, generator=g), "q4")
+    x = torch.randn(n, cols, generator=g)
+    y = np.zeros((n, rows), np.float32)
+    K.linear_q4(isa, 2, q.codes.numpy(), q.scales.view(torch.uint16).numpy(), x.numpy(), y)
+    w = q.dequantize().double()
+    ref = x.double() @ w.T
+    scale = x.double().abs() @ w.abs().T
+    rel = 2e-2 if isa == K.AVX512_VNNI else 1e-5  # int8 activations: a 1/254 step per 32 values
+    assert ((torch.from_numpy(y).double() - ref).abs() <= rel * scale + 1e-6).all()
+
+
+@pytest.mark.parametrize("mode, worst", [("int8", 0.02), ("fp8", 0.07), ("q4", 0.15)])
 def test_backbone_quantisation_error_is_bounded(mode, worst):
     from mosaic_runtime.backbone import quantize_matrix
     w = torch.randn(256, 512, generator=torch.Generator().manual_seed(0))
     q = quantize_matrix(w, mode).dequantize()
     rel = ((q - w).norm() / w.norm()).item()
-    assert rel < worst  # int8 per row: ~1 %; E4M3 (3 mantissa bits): ~2-4 %
+    assert rel < worst  # int8 per row: ~1 %; E4M3 (3 mantissa bits): ~2-4 %; Q4 per 32: ~10 %

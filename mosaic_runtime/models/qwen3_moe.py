@@ -12,14 +12,12 @@ import numpy as np
 import torch
 
 from .. import _native
-from ..backbone import QuantizedMatrix
+from ..backbone import Q4Matrix, QuantizedMatrix
 from ..experts import ExpertExecutor
-from ..ops import linear, threads
+from ..ops import Q4_ISA, linear, threads
 from ..kv_cache import KVCache
 from ..routing import ROUTERS
 from .base import Rotary, cached_attention, rms_norm, swiglu
-
-_ISA = _native.kernels.best_isa()
 
 
 @dataclass
@@ -97,6 +95,8 @@ class Qwen3Moe:
         def matrix(w):
             if isinstance(w, QuantizedMatrix):
                 return (w.codes.numpy(), w.scales.numpy(), 2 if w.fp8 else 1)
+            if isinstance(w, Q4Matrix):
+                return (w.codes.numpy(), w.scales.view(torch.uint16).numpy(), 3, w.cols)
             if w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous():
                 return (w.view(torch.uint16).numpy(), None, 0)
             return None
@@ -126,7 +126,8 @@ class Qwen3Moe:
         h = np.empty_like(x)
         weights, ids = np.empty(self.top_k, np.float32), np.empty(self.top_k, np.int32)
         cos, signed_sin = self.rotary.cos[pos].numpy(), self.rotary.signed_sin[pos].numpy()
-        isa, n_threads = _ISA, threads()
+        # Q4 projections want the VNNI kernel; bf16, int8, fp8 and attention run the same AVX-512 code under it.
+        isa, n_threads = Q4_ISA, threads()
         for i, (layer, native) in enumerate(zip(self.layers, self.native_layers)):
             k_run, v_run = self.kv.contiguous_run(i)
             native(isa, n_threads, x, h, pos, cos, signed_sin, k_run.numpy(), v_run.numpy(), weights, ids,

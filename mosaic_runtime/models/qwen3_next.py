@@ -14,7 +14,7 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
-from ..backbone import QuantizedMatrix
+from ..backbone import Q4Matrix, QuantizedMatrix
 from ..experts import ExpertExecutor
 from ..kv_cache import KVCache
 from ..ops import linear
@@ -73,6 +73,10 @@ def unfuse_qwen3_next(qkvz, ba, hk: int, hv: int, dk: int, dv: int):
         codes = unfuse_qwen3_next(qkvz.codes, ba.codes, hk, hv, dk, dv)
         scales = unfuse_qwen3_next(qkvz.scales[:, None], ba.scales[:, None], hk, hv, dk, dv)
         return [QuantizedMatrix(c.contiguous(), s[:, 0].contiguous(), qkvz.fp8) for c, s in zip(codes, scales)]
+    if isinstance(qkvz, Q4Matrix):  # codes and per-32 scales are rows too
+        codes = unfuse_qwen3_next(qkvz.codes, ba.codes, hk, hv, dk, dv)
+        scales = unfuse_qwen3_next(qkvz.scales, ba.scales, hk, hv, dk, dv)
+        return [Q4Matrix(c.contiguous(), s.contiguous(), qkvz.cols) for c, s in zip(codes, scales)]
     r = hv // hk
     g = qkvz.view(hk, 2 * dk + 2 * r * dv, -1)
     q, k, v, z = torch.split(g, [dk, dk, r * dv, r * dv], dim=1)
@@ -149,7 +153,7 @@ class Qwen3Next:
                                                      self.hk, self.hv, self.dk, self.dv)
                 else:
                     qkv, z, b, a = (mat(s + f"in_proj_{n}.weight") for n in ("qkv", "z", "b", "a"))
-                if not isinstance(qkv, QuantizedMatrix):
+                if isinstance(qkv, torch.Tensor):  # quantised ones come out of unfuse contiguous
                     qkv, z, b, a = (m.contiguous() for m in (qkv, z, b, a))
                 mixer = DeltaNet(qkv, z, b, a,
                                  vec(s + "conv1d.weight")[:, 0, :], vec(s + "A_log"), vec(s + "dt_bias"),

@@ -208,20 +208,26 @@ void init_kernels(nb::module_& m) {
         L.k_norm = k_norm.data();
         for (auto a : {input_norm, post_norm, q_norm, k_norm}) self->keep.push_back(nb::ndarray<>(a));
         auto proj = [&](nb::tuple t, int rows, int cols, const char* name) {
+          // (codes, scales, kind): bf16 bits [rows, cols] and no scales; int8 / E4M3 codes [rows, cols] and
+          // float32 scales [rows]; Q4 codes [rows, ceil(cols/32)*16] and f16 scales [rows, ceil(cols/32)].
           BackboneMatrix p;
+          const std::string what = std::string("DecodeLayer: ") + name;
           AnyMatrix w = nb::cast<AnyMatrix>(t[0]);
           p.kind = static_cast<BackboneMatrix::Kind>(nb::cast<int>(t[2]));
-          const bool bf16 = p.kind == BackboneMatrix::Bf16;
-          check(bf16 ? w.dtype() == nb::dtype<uint16_t>() : w.dtype() == nb::dtype<uint8_t>(),
-                std::string("DecodeLayer: ") + name + " has the wrong dtype for its kind");
+          const bool q4 = p.kind == BackboneMatrix::Q4;
           p.rows = static_cast<int>(w.shape(0));
-          p.cols = static_cast<int>(w.shape(1));
-          check((rows < 0 || p.rows == rows) && p.cols == cols, std::string("DecodeLayer: ") + name + " shape");
+          p.cols = q4 ? nb::cast<int>(t[3]) : static_cast<int>(w.shape(1));
+          check(p.kind == BackboneMatrix::Bf16 ? w.dtype() == nb::dtype<uint16_t>() : w.dtype() == nb::dtype<uint8_t>(),
+                what + " has the wrong dtype for its kind");
+          check((rows < 0 || p.rows == rows) && p.cols == cols, what + " shape");
+          check(!q4 || w.shape(1) == static_cast<size_t>((cols + 31) / 32 * 16), what + " Q4 codes shape");
           p.w = w.data();
           self->keep.push_back(nb::ndarray<>(w));
-          if (!bf16) {
-            Floats1 sc = nb::cast<Floats1>(t[1]);
-            check(sc.shape(0) == static_cast<size_t>(p.rows), std::string("DecodeLayer: ") + name + " scales");
+          if (p.kind != BackboneMatrix::Bf16) {
+            nb::ndarray<nb::c_contig, nb::device::cpu> sc = nb::cast<nb::ndarray<nb::c_contig, nb::device::cpu>>(t[1]);
+            const size_t want = q4 ? static_cast<size_t>(p.rows) * ((cols + 31) / 32) : static_cast<size_t>(p.rows);
+            check(sc.size() == want && (q4 ? sc.dtype() == nb::dtype<uint16_t>() : sc.dtype() == nb::dtype<float>()),
+                  what + " scales");
             p.scales = sc.data();
             self->keep.push_back(nb::ndarray<>(sc));
           }
@@ -265,6 +271,18 @@ void init_kernels(nb::module_& m) {
         decode_layer(L, x.data(), h.data(), pos, cos.data(), signed_sin.data(), topk_weights.data(), topk_ids.data(),
                      scratch.data(), threads, Isa(isa));
       });
+  k.def("linear_q4", [](int isa, int threads, nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> codes,
+                        nb::ndarray<const uint16_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> scales, Matrix x,
+                        OutMatrix y) {
+    // y[n, rows] = x[n, cols] @ W.T, W in Q4_G32: codes [rows, ceil(cols/32)*16], f16 scales (as uint16).
+    const size_t cols = x.shape(1), blocks = (cols + 31) / 32;
+    check(codes.shape(0) == y.shape(1) && codes.shape(1) == blocks * 16 && scales.shape(0) == codes.shape(0) &&
+              scales.shape(1) == blocks && x.shape(0) == y.shape(0), "linear_q4: shapes");
+    check(isa_available(Isa(isa)), "linear_q4: this CPU lacks that ISA");
+    nb::gil_scoped_release release;
+    linear_q4(codes.data(), scales.data(), static_cast<int>(codes.shape(0)), static_cast<int>(cols), x.data(),
+              static_cast<int>(x.shape(0)), y.data(), threads, Isa(isa));
+  });
   k.def("stream_read", [](Bytes data, int threads) {
     nb::gil_scoped_release release;
     return stream_read(data.data(), data.shape(0), threads);

@@ -20,9 +20,18 @@ void rms_norm(const float* x, const float* w, int n, float eps, float* y) {
 }
 
 void project(const BackboneMatrix& p, const float* x, float* y, int threads, Isa isa) {
-  if (p.kind == BackboneMatrix::Bf16) linear_bf16(static_cast<const uint16_t*>(p.w), p.rows, p.cols, x, 1, y, threads, isa);
-  else linear_quant(static_cast<const uint8_t*>(p.w), p.scales, p.kind == BackboneMatrix::Fp8, p.rows, p.cols, x, 1, y,
-                    threads, isa);
+  switch (p.kind) {
+    case BackboneMatrix::Bf16:
+      linear_bf16(static_cast<const uint16_t*>(p.w), p.rows, p.cols, x, 1, y, threads, isa);
+      break;
+    case BackboneMatrix::Q4:
+      linear_q4(static_cast<const uint8_t*>(p.w), static_cast<const uint16_t*>(p.scales), p.rows, p.cols, x, 1, y,
+                threads, isa);
+      break;
+    default:
+      linear_quant(static_cast<const uint8_t*>(p.w), static_cast<const float*>(p.scales),
+                   p.kind == BackboneMatrix::Fp8, p.rows, p.cols, x, 1, y, threads, isa);
+  }
 }
 
 // Rotate-half RoPE of the first rot values of each head, with sin's first half negated (Rotary.at).

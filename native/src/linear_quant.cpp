@@ -95,4 +95,22 @@ void linear_quant(const uint8_t* w, const float* scales, bool fp8, int rows, int
   else linear_codes<false>(w, scales, rows, cols, x, n, y, threads, wide);
 }
 
+void linear_q4(const uint8_t* codes, const uint16_t* scales, int rows, int cols, const float* x, int n, float* y,
+               int threads, Isa isa) {
+  // The expert kernels' Q4 matvec (kernels_*.cpp) over contiguous row blocks, one per thread: the same
+  // codes and scales layout as a vault's Q4_G32 plane, so one kernel serves experts and backbone alike.
+  const MatvecFn matvec = kernels_for(isa).q4;
+  const int nb = (cols + 31) / 32;
+  const int64_t row_bytes = static_cast<int64_t>(nb) * 16;
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int per = ((rows + nt - 1) / nt + 15) / 16 * 16;  // whole groups of 16 rows
+    const int r0 = std::min(rows, t * per), r1 = std::min(rows, r0 + per);
+    if (r1 > r0)
+      matvec({codes + r0 * row_bytes, scales + static_cast<int64_t>(r0) * nb, ScaleDtype::F16, r1 - r0, cols, x, cols,
+              n, y + r0, rows});
+  }
+}
+
 }  // namespace mosaic

@@ -108,9 +108,9 @@ void decode_attention_bf16(const float* q, int heads, int head_dim, const uint16
 // A backbone matrix as the runtime holds it: bf16 bit patterns, or int8 / E4M3 codes with a float32 scale
 // per row (backbone.QuantizedMatrix).
 struct BackboneMatrix {
-  enum Kind : int { Bf16 = 0, Int8 = 1, Fp8 = 2 };
+  enum Kind : int { Bf16 = 0, Int8 = 1, Fp8 = 2, Q4 = 3 };
   const void* w = nullptr;
-  const float* scales = nullptr;  // int8 / fp8 only
+  const void* scales = nullptr;   // int8 / fp8: float32 per row; q4: f16 per 32 (bits as uint16)
   Kind kind = Bf16;
   int rows = 0, cols = 0;         // rows == 0: absent (the router of a dense layer)
 };
@@ -133,6 +133,12 @@ uint64_t decode_layer_scratch_floats(const DecodeLayer& layer);
 // of the new x; for an MoE layer, topk_ids / topk_weights [top_k] from the router (descending weight).
 void decode_layer(const DecodeLayer& layer, float* x, float* h, int pos, const float* cos, const float* signed_sin,
                   float* topk_weights, int32_t* topk_ids, float* scratch, int threads, Isa isa);
+
+// Y[n, rows] = X[n, cols] @ W.T for W in Q4_G32 (a vault plane's layout: codes [rows, ceil(cols/32)*16],
+// f16 scales [rows, ceil(cols/32)]), through the expert kernels' Q4 matvec of `isa` (int8 activations
+// under AVX-512 VNNI); rows in contiguous blocks over threads.
+void linear_q4(const uint8_t* codes, const uint16_t* scales, int rows, int cols, const float* x, int n, float* y,
+               int threads, Isa isa);
 
 // Reads n bytes once, split over threads (the roofline for benchmarks); returns a checksum.
 double stream_read(const uint8_t* data, uint64_t n, int threads);
