@@ -22,7 +22,7 @@ namespace {
 
 constexpr int kChunk = 512;  // keys per task: 2 x 512 KB of f32 K and V at head_dim 256
 constexpr int kTile = 16;    // keys whose scores are exponentiated together (one zmm)
-constexpr int kAhead = 1;    // tiles prefetched ahead
+constexpr int kAhead = 1;    // float32 tiles' worth of bytes prefetched ahead (16 KB at head_dim 256)
 
 struct Partial {  // one task's state for one query head
   float max, sum;
@@ -105,6 +105,8 @@ MOSAIC_AVX512 void task_avx512(const float* q, int rep, int d, const T* k, const
   // iterations of each phase, so DRAM streams behind the arithmetic instead of stalling the first head.
   const int tile_lines = kTile * d * static_cast<int>(sizeof(T)) / 64;  // 64-byte lines in one tile of K (or V)
   const int per_step = (tile_lines + rep * kTile - 1) / (rep * kTile);
+  // How far ahead, in elements: kAhead float32 tiles' worth of bytes, so two bf16 tiles.
+  const int64_t ahead = static_cast<int64_t>(kAhead) * kTile * d * 4 / static_cast<int64_t>(sizeof(T));
   constexpr int kMaxRep = 64;
   // Widened bf16 tiles (unused for float32), on the stack: one key tile and one value tile.
   alignas(64) float tile_k[std::is_same<T, float>::value ? 16 : kTile * kMaxDim];
@@ -133,7 +135,7 @@ MOSAIC_AVX512 void task_avx512(const float* q, int rep, int d, const T* k, const
           continue;
         }
         const float* kr = kf + static_cast<int64_t>(j) * d;
-        prefetch_lines(kt + kAhead * kTile * d, (r * kTile + j) * per_step, per_step, tile_lines);
+        prefetch_lines(kt + ahead, (r * kTile + j) * per_step, per_step, tile_lines);
         __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
         int i = 0;
         for (; i + 2 <= nv; i += 2) {
@@ -159,7 +161,7 @@ MOSAIC_AVX512 void task_avx512(const float* q, int rep, int d, const T* k, const
       for (int j = 0; j < n; ++j) {
         const __m512 pj = _mm512_set1_ps(probs[r][j]);
         const float* vr = vf + static_cast<int64_t>(j) * d;
-        prefetch_lines(vt + kAhead * kTile * d, (r * kTile + j) * per_step, per_step, tile_lines);
+        prefetch_lines(vt + ahead, (r * kTile + j) * per_step, per_step, tile_lines);
         for (int i = 0; i < nv; ++i) acc[i] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + 16 * i), acc[i]);
       }
       for (int i = 0; i < nv; ++i) _mm512_storeu_ps(orow + 16 * i, acc[i]);
