@@ -62,9 +62,9 @@ class KVCache:
         """Keys and values of every reserved page of one layer as [Hkv, pages * page_tokens, D] views when
         the pages are one ascending run (position p is row p), else None."""
         n = len(self.pages)
-        first = self.pages[0]
-        if self.pages != list(range(first, first + n)):
+        if n == 0 or self.pages != list(range(self.pages[0], self.pages[0] + n)):
             return None
+        first = self.pages[0]
         heads, dim = self.k.shape[1], self.k.shape[4]
         return (self.k[layer, :, first:first + n].reshape(heads, -1, dim),
                 self.v[layer, :, first:first + n].reshape(heads, -1, dim))

@@ -5,41 +5,15 @@ CPU engine."""
 import pytest
 import torch
 
-from builders import random_qwen3_moe
 from mosaic_runtime.engine import Engine
 from mosaic_runtime.vault import open_vault
-from mosaic_shatter.convert import convert
+from test_device_tier import decode, model_dir, reference  # noqa: F401  (fixtures: the same model and CPU run)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-PROMPT = [5, 17, 101, 64, 3, 250, 77, 9, 31, 200, 4, 90]
-STEPS = 16
 # The backbone's projections run with bf16 activations on the GPU (float32 on the CPU): logits of these
 # O(1)-margin random models move by up to a few hundredths.
 GPU_LOGIT_ATOL = 5e-2
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gpu")
-    ckpt = random_qwen3_moe(root / "ckpt", seed=5, eos_token_id=None, num_experts=8, num_experts_per_tok=2,
-                            num_hidden_layers=3, mlp_only_layers=[1])
-    return convert(str(ckpt), root / "q4", "q4", progress=False).out
-
-
-def decode(engine):
-    logits = [engine.logits(PROMPT)[-1]]
-    tokens = [int(logits[-1].argmax())]
-    for _ in range(STEPS):
-        logits.append(engine._forward([tokens[-1]], engine.model.kv.length)[-1])
-        tokens.append(int(logits[-1].argmax()))
-    return tokens, torch.stack(logits)
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    with Engine.open(model_dir, max_seq=64) as engine:
-        return decode(engine)
 
 
 @pytest.mark.parametrize("share", [0.0, 0.3, 1.0])

@@ -119,9 +119,8 @@ class Qwen3Moe:
         return layers
 
     def _decode_native(self, token: int, pos: int) -> torch.Tensor:
-        """One decode step through the native layers; the same result as the torch path below, within
-        float rounding (tests/test_engine.py holds them together)."""
-        self.kv.reserve(pos + 1)
+        """One decode step through the native layers, its page already reserved; the same result as the
+        torch path of forward() within float rounding (tests/test_decode_layer.py holds them together)."""
         x = self.embed[token].to(torch.float32).numpy().copy()  # [H], updated in place layer by layer
         h = np.empty_like(x)
         weights, ids = np.empty(self.top_k, np.float32), np.empty(self.top_k, np.int32)
@@ -147,8 +146,10 @@ class Qwen3Moe:
         A decode step (T == 1) runs the native layers when they apply (use_native_decode); everything
         else, and the reference, runs the torch ops below.
         """
-        if ids.shape[0] == 1 and self.use_native_decode and self._run_is_contiguous(start + 1):
-            return self._decode_native(int(ids[0]), start)
+        if ids.shape[0] == 1 and self.use_native_decode:
+            self.kv.reserve(start + 1)
+            if self.kv.contiguous_run(0) is not None:  # else (pages out of order) the torch path gathers them
+                return self._decode_native(int(ids[0]), start)
         x = self.embed[ids].to(self.dtype)  # [T, H]
         rope = self.rotary.at(torch.arange(start, start + ids.shape[0]))  # shared by every layer
         for i, layer in enumerate(self.layers):
@@ -156,7 +157,3 @@ class Qwen3Moe:
             x = x + self.mlp(i, layer, rms_norm(x, layer.post_norm, self.eps))
         self.kv.length = start + ids.shape[0]
         return linear(rms_norm(x, self.norm, self.eps), self.lm_head).float()
-
-    def _run_is_contiguous(self, end: int) -> bool:
-        self.kv.reserve(end)
-        return self.kv.contiguous_run(0) is not None
