@@ -59,7 +59,6 @@ class NativeExperts:
         self.isa = self._k.best_isa() if isa is None else isa
         self._scratch = np.zeros(0, np.float32)
         self._need: dict[tuple[int, int], int] = {}  # (tasks' rows, largest task) -> scratch floats
-        self._token0 = np.zeros(1, np.int32)  # a decode step's one token, shared by all its tasks
 
     def _scratch_for(self, total: int, max_n: int):
         need = self._need.get((total, max_n))
@@ -80,29 +79,30 @@ class NativeExperts:
         """sum over `experts` (ascending ids, a subset of those routed) of w * expert(x), as float32 [T, H]."""
         if ids.shape[0] == 1:  # decode: every task is the one token; its weight is where the expert was routed
             col = {e: j for j, e in enumerate(ids[0].tolist())}
-            w0 = np.ascontiguousarray(w[0], dtype=np.float32)
-            tokens = [self._token0] * len(experts)
-            weights = [w0[col[e]:col[e] + 1] for e in experts]
+            counts = np.ones(len(experts), np.int32)
+            tokens = np.zeros(len(experts), np.int32)
+            weights = np.ascontiguousarray(w[0, [col[e] for e in experts]], dtype=np.float32)
         else:
-            tokens, weights = [], []
-            for e in experts:
-                tok, slot = np.nonzero(ids == e)
-                tokens.append(tok.astype(np.int32))
-                weights.append(np.ascontiguousarray(w[tok, slot], dtype=np.float32))
+            per = [np.nonzero(ids == e) for e in experts]
+            counts = np.array([len(tok) for tok, _ in per], np.int32)
+            tokens = np.concatenate([tok for tok, _ in per]).astype(np.int32)
+            weights = np.concatenate([w[tok, slot] for tok, slot in per]).astype(np.float32)
+        starts = np.concatenate([[0], np.cumsum(counts)])
         y = np.zeros_like(xs)
         # A prefill chunk may name more experts than the ring holds: run them in ascending groups that fit.
         # y accumulates task by task in the same order either way, so grouping never changes a bit.
         group = self.store.ring.n_slots
         for g0 in range(0, len(experts), group):
-            part = slice(g0, g0 + group)
-            scratch = self._scratch_for(sum(len(t) for t in tokens[part]), max(len(t) for t in tokens[part]))
-            slots = self.store.acquire(layer, experts[part])
+            g1 = min(g0 + group, len(experts))
+            lo, hi = starts[g0], starts[g1]
+            scratch = self._scratch_for(int(hi - lo), int(counts[g0:g1].max()))
+            slots = self.store.acquire(layer, experts[g0:g1])
             try:
                 # Each expert runs as soon as its record is in; a failed read voids the call (y untouched).
                 failed, wait_s, total_s = self._k.moe_experts_ring(
                     self.isa, self.threads, int(self.layout.quant), int(self.layout.scale_dtype), self.layout.hidden,
-                    self.layout.intermediate, self.store.ring.native, np.asarray(slots, np.int32), tokens[part],
-                    weights[part], xs, y, scratch)
+                    self.layout.intermediate, self.store.ring.native, np.asarray(slots, np.int32), counts[g0:g1],
+                    tokens[lo:hi], weights[lo:hi], xs, y, scratch)
                 self.kernel_s += total_s - wait_s
                 self.store.finish(slots, wait_s)  # raises VaultError for a failed read
                 if failed >= 0:  # the kernel saw a slot with no record: a bookkeeping bug, never a result

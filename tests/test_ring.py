@@ -76,7 +76,9 @@ def moe_on_ring(ring, slots, tokens, weights, x, y, threads=2):
     def call():
         out["result"] = K.moe_experts_ring(K.best_isa(), threads, int(LAYOUT.quant), int(LAYOUT.scale_dtype),
                                            LAYOUT.hidden, LAYOUT.intermediate, ring.native,
-                                           np.asarray(slots, np.int32), tokens, weights, x, y, scratch)
+                                           np.asarray(slots, np.int32), np.array([len(t) for t in tokens], np.int32),
+                                           np.concatenate(tokens).astype(np.int32),
+                                           np.concatenate(weights).astype(np.float32), x, y, scratch)
     worker = threading.Thread(target=call)
     worker.start()
     return worker, scratch, out

@@ -308,20 +308,38 @@ void init_kernels(nb::module_& m) {
         });
   k.def("moe_experts_ring",
         [](int isa, int threads, uint32_t quant, uint32_t scale_dtype, uint32_t hidden, uint32_t intermediate,
-           const ExpertRing& ring, Ints slots, const std::vector<Ints>& tokens, const std::vector<Floats1>& weights,
-           Matrix x, OutMatrix y, Scratch scratch) {
+           const ExpertRing& ring, Ints slots, Ints counts, Ints tokens, Floats1 weights, Matrix x, OutMatrix y,
+           Scratch scratch) {
           // As moe_experts, on records in ring slots that may still be arriving: each expert runs as soon as
-          // its read completes. Returns (-1 or the index of the expert whose read failed, wait_s, total_s).
+          // its read completes. The tasks come flat (three arrays, not a list of arrays per expert: one
+          // conversion each, on the token loop): expert i takes the next counts[i] entries of tokens and
+          // weights. Returns (-1 or the index of the expert whose read failed, wait_s, total_s).
           const RecordLayout layout = layout_of(quant, scale_dtype, hidden, intermediate);
-          check(slots.shape(0) == tokens.size(), "moe_experts_ring: one token list and weight list per slot");
+          const size_t n = slots.shape(0);
+          check(counts.shape(0) == n, "moe_experts_ring: one count per slot");
+          check(tokens.shape(0) == weights.shape(0), "moe_experts_ring: tokens and weights differ in length");
           check(layout.record_bytes <= ring.slot_bytes(), "moe_experts_ring: records larger than the ring's slots");
-          std::vector<ExpertTask>& tasks = build_tasks(layout, isa, threads, tokens, weights, x, y, scratch);
-          for (size_t i = 0; i < tasks.size(); ++i) {
+          check(x.shape(1) == hidden && y.shape(1) == hidden && x.shape(0) == y.shape(0), "moe_experts_ring: x/y shape");
+          check(isa_available(Isa(isa)), "moe_experts_ring: this CPU lacks that ISA");
+          thread_local std::vector<ExpertTask> tasks;
+          tasks.clear();
+          size_t at = 0;
+          int max_n = 0;
+          for (size_t i = 0; i < n; ++i) {
+            const int cnt = counts.data()[i];
+            check(cnt > 0 && at + static_cast<size_t>(cnt) <= tokens.shape(0), "moe_experts_ring: counts overrun the tokens");
+            for (int j = 0; j < cnt; ++j)
+              check(tokens.data()[at + j] >= 0 && static_cast<size_t>(tokens.data()[at + j]) < x.shape(0),
+                    "moe_experts_ring: token index out of range");
             const int32_t s = slots.data()[i];
             check(s >= 0 && static_cast<uint64_t>(s) < ring.n_slots(), "moe_experts_ring: slot out of range");
-            tasks[i].record = ring.slot(s);
-            tasks[i].slot = s;
+            tasks.push_back({ring.slot(s), tokens.data() + at, weights.data() + at, cnt, s});
+            at += cnt;
+            max_n = cnt > max_n ? cnt : max_n;
           }
+          check(at == tokens.shape(0), "moe_experts_ring: counts do not cover the tokens");
+          check(scratch.shape(0) >= moe_scratch_floats(layout, static_cast<int>(at), max_n, threads),
+                "moe_experts_ring: scratch too small");
           MoeTiming timing;
           int failed;
           {
