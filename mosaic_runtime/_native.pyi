@@ -3,5 +3,7 @@
 from types import ModuleType
 
 format: ModuleType  # VAULT_MAGIC, VERSION_MAJOR, ..., header_field_offsets(), record_layout(q, s, h, i)
-kernels: ModuleType  # matvec, moe_experts, moe_experts_ring, linear_bf16, linear_quant, scratch_floats, ISAs
+# matvec, moe_experts, moe_experts_ring, linear_bf16, linear_quant, linear_q4, decode_attention(_bf16),
+# DecodeLayer (one Qwen3-MoE layer's decode step), stream_read, scratch_floats, ISAs
+kernels: ModuleType
 io: ModuleType  # ExpertRing (slots, atomic states, I/O threads), crc32, slot state constants
