@@ -59,6 +59,7 @@ class NativeExperts:
         self.isa = self._k.best_isa() if isa is None else isa
         self._scratch = np.zeros(0, np.float32)
         self._need: dict[tuple[int, int], int] = {}  # (tasks' rows, largest task) -> scratch floats
+        self._decode_tasks: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # k -> (counts, tokens) of a step
 
     def _scratch_for(self, total: int, max_n: int):
         need = self._need.get((total, max_n))
@@ -71,22 +72,30 @@ class NativeExperts:
         return self._scratch
 
     def __call__(self, layer, x, topk_weights, topk_ids):
+        if x.shape[0] == 1:  # a decode step: one token, no grouping
+            xs = x.float().contiguous().numpy()
+            return torch.from_numpy(self.decode(layer, xs, topk_weights[0].float().numpy(), topk_ids[0].tolist()))
         xs = x.float().contiguous().numpy()
         ids, w = topk_ids.numpy(), topk_weights.float().numpy()
         return torch.from_numpy(self.run(layer, xs, ids, w, np.unique(ids).tolist())).to(x.dtype)
 
+    def decode(self, layer: int, xs: np.ndarray, w: np.ndarray, ids: list[int]) -> np.ndarray:
+        """One token's experts: xs [1, H], its routing weights w [k] and expert ids [k] -> [1, H]."""
+        order = sorted(range(len(ids)), key=ids.__getitem__)  # ascending ids: the combine order
+        k = len(ids)
+        if k not in self._decode_tasks:
+            self._decode_tasks[k] = (np.ones(k, np.int32), np.zeros(k, np.int32))
+        counts, tokens = self._decode_tasks[k]
+        y = np.zeros_like(xs)
+        self._run_group(layer, [ids[j] for j in order], counts, tokens, np.ascontiguousarray(w[order]), xs, y)
+        return y
+
     def run(self, layer: int, xs: np.ndarray, ids: np.ndarray, w: np.ndarray, experts: list[int]) -> np.ndarray:
         """sum over `experts` (ascending ids, a subset of those routed) of w * expert(x), as float32 [T, H]."""
-        if ids.shape[0] == 1:  # decode: every task is the one token; its weight is where the expert was routed
-            col = {e: j for j, e in enumerate(ids[0].tolist())}
-            counts = np.ones(len(experts), np.int32)
-            tokens = np.zeros(len(experts), np.int32)
-            weights = np.ascontiguousarray(w[0, [col[e] for e in experts]], dtype=np.float32)
-        else:
-            per = [np.nonzero(ids == e) for e in experts]
-            counts = np.array([len(tok) for tok, _ in per], np.int32)
-            tokens = np.concatenate([tok for tok, _ in per]).astype(np.int32)
-            weights = np.concatenate([w[tok, slot] for tok, slot in per]).astype(np.float32)
+        per = [np.nonzero(ids == e) for e in experts]
+        counts = np.array([len(tok) for tok, _ in per], np.int32)
+        tokens = np.concatenate([tok for tok, _ in per]).astype(np.int32)
+        weights = np.concatenate([w[tok, slot] for tok, slot in per]).astype(np.float32)
         starts = np.concatenate([[0], np.cumsum(counts)])
         y = np.zeros_like(xs)
         # A prefill chunk may name more experts than the ring holds: run them in ascending groups that fit.
@@ -95,18 +104,23 @@ class NativeExperts:
         for g0 in range(0, len(experts), group):
             g1 = min(g0 + group, len(experts))
             lo, hi = starts[g0], starts[g1]
-            scratch = self._scratch_for(int(hi - lo), int(counts[g0:g1].max()))
-            slots = self.store.acquire(layer, experts[g0:g1])
-            try:
-                # Each expert runs as soon as its record is in; a failed read voids the call (y untouched).
-                failed, wait_s, total_s = self._k.moe_experts_ring(
-                    self.isa, self.threads, int(self.layout.quant), int(self.layout.scale_dtype), self.layout.hidden,
-                    self.layout.intermediate, self.store.ring.native, np.asarray(slots, np.int32), counts[g0:g1],
-                    tokens[lo:hi], weights[lo:hi], xs, y, scratch)
-                self.kernel_s += total_s - wait_s
-                self.store.finish(slots, wait_s)  # raises VaultError for a failed read
-                if failed >= 0:  # the kernel saw a slot with no record: a bookkeeping bug, never a result
-                    raise RuntimeError(f"layer {layer}: expert {experts[g0 + failed]}'s slot held no record")
-            finally:
-                self.store.release(slots)
+            self._run_group(layer, experts[g0:g1], counts[g0:g1], tokens[lo:hi], weights[lo:hi], xs, y)
         return y
+
+    def _run_group(self, layer: int, experts: list[int], counts, tokens, weights, xs, y) -> None:
+        """y += the experts' outputs (expert i takes the next counts[i] of tokens and weights), the records
+        read into the ring as needed; each expert runs as soon as its record is in."""
+        scratch = self._scratch_for(int(tokens.shape[0]), int(counts.max()))
+        slots = self.store.acquire(layer, experts)
+        try:
+            # A failed read voids the call (y untouched).
+            failed, wait_s, total_s = self._k.moe_experts_ring(
+                self.isa, self.threads, int(self.layout.quant), int(self.layout.scale_dtype), self.layout.hidden,
+                self.layout.intermediate, self.store.ring.native, np.asarray(slots, np.int32), counts, tokens,
+                weights, xs, y, scratch)
+            self.kernel_s += total_s - wait_s
+            self.store.finish(slots, wait_s)  # raises VaultError for a failed read
+            if failed >= 0:  # the kernel saw a slot with no record: a bookkeeping bug, never a result
+                raise RuntimeError(f"layer {layer}: expert {experts[failed]}'s slot held no record")
+        finally:
+            self.store.release(slots)
