@@ -22,6 +22,7 @@ namespace {
 
 constexpr int kChunk = 512;  // keys per task: 2 x 512 KB of f32 K and V at head_dim 256
 constexpr int kTile = 16;    // keys whose scores are exponentiated together (one zmm)
+constexpr int kWidenAhead = 4 * 16 * 256;  // bf16 elements the widen pass prefetches ahead: 32 KB
 constexpr int kAhead = 1;    // float32 tiles' worth of bytes prefetched ahead (16 KB at head_dim 256)
 
 struct Partial {  // one task's state for one query head
@@ -68,9 +69,12 @@ MOSAIC_AVX512 inline __m512 sum16x16(const __m512* a) {
 // half) into buf. count is a multiple of 16 (whole rows of a head_dim that is).
 MOSAIC_AVX512 inline const float* widen_tile(const float* p, int, float*) { return p; }
 MOSAIC_AVX512 inline const float* widen_tile(const uint16_t* p, int count, float* buf) {
-  for (int i = 0; i < count; i += 16)
+  for (int i = 0; i < count; i += 16) {
+    // The stream ahead into L2 (a widened tile fills L1 itself): the widen pass reads memory, not cache.
+    if (i % 32 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + i + kWidenAhead), _MM_HINT_T1);
     _mm512_store_ps(buf + i, _mm512_castsi512_ps(_mm512_slli_epi32(
                                  _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i))), 16)));
+  }
   return buf;
 }
 inline float widen(float x) { return x; }
@@ -135,7 +139,7 @@ MOSAIC_AVX512 void task_avx512(const float* q, int rep, int d, const T* k, const
           continue;
         }
         const float* kr = kf + static_cast<int64_t>(j) * d;
-        prefetch_lines(kt + ahead, (r * kTile + j) * per_step, per_step, tile_lines);
+        if (std::is_same<T, float>::value) prefetch_lines(kt + ahead, (r * kTile + j) * per_step, per_step, tile_lines);
         __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
         int i = 0;
         for (; i + 2 <= nv; i += 2) {
@@ -161,7 +165,7 @@ MOSAIC_AVX512 void task_avx512(const float* q, int rep, int d, const T* k, const
       for (int j = 0; j < n; ++j) {
         const __m512 pj = _mm512_set1_ps(probs[r][j]);
         const float* vr = vf + static_cast<int64_t>(j) * d;
-        prefetch_lines(vt + ahead, (r * kTile + j) * per_step, per_step, tile_lines);
+        if (std::is_same<T, float>::value) prefetch_lines(vt + ahead, (r * kTile + j) * per_step, per_step, tile_lines);
         for (int i = 0; i < nv; ++i) acc[i] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + 16 * i), acc[i]);
       }
       for (int i = 0; i < nv; ++i) _mm512_storeu_ps(orow + 16 * i, acc[i]);
