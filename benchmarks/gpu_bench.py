@@ -22,19 +22,20 @@ from benchmarks.convert_bench import build_checkpoint  # noqa: E402
 SHARES = (0.0, 0.1, 0.3, 1.0)
 
 
-def decode_case(model: Path, share: float, policy: str, warm: int, tokens: int) -> dict:
+def decode_case(model: Path, share: float, policy: str, warm: int, tokens: int, device: str) -> dict:
     import torch
 
     from mosaic_runtime.engine import Engine
     from mosaic_runtime.vault import open_vault
     with open_vault(model) as vault:
         budget = int(share * vault.header.num_records) * vault.header.record_bytes
-    with Engine.open(model, device="cuda", vram_budget=budget, tier_policy=policy, max_seq=512) as engine:
+    with Engine.open(model, device=device, vram_budget=budget, tier_policy=policy, max_seq=512) as engine:
         prompt = [(17 * i + 5) % engine.arch["vocab_size"] for i in range(32)]
         out = list(engine.generate_ids(prompt, max_new_tokens=warm))
         engine._sync_stats()
         before = {layer: (c.hits, c.misses) for layer, c in engine.stats.tier.items()}
-        torch.cuda.synchronize()
+        if device == "cuda":
+            torch.cuda.synchronize()
         t = time.perf_counter()
         out += list(engine.generate_ids([out[-1]], max_new_tokens=tokens, cached=engine.model.kv.length))
         elapsed = time.perf_counter() - t
@@ -53,6 +54,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--warm", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--device", default="cuda", help='"cpu" dry-runs the tier with host memory as the device')
     args = ap.parse_args()
     import torch
     data = ROOT / "bench-data"
@@ -61,14 +63,15 @@ def main() -> None:
     if not (model / "experts.vault").exists():
         from mosaic_shatter.convert import convert
         convert(str(ckpt), model, "q4", progress=False, force=True)
-    print(f"{torch.cuda.get_device_name()}; {args.layers} layers; warm {args.warm} tokens, timed {args.tokens}")
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "host-memory stand-in"
+    print(f"{name}; {args.layers} layers; warm {args.warm} tokens, timed {args.tokens}")
     print("| experts allowed in VRAM | policy | decode tok/s | device hit rate (timed tokens) | resident / "
           "capacity | promotions | prefill crossover (tokens per expert) |")
     print("|---|---|---|---|---|---|---|")
     tokens = {}
     for share in SHARES:
         for policy in ("decayed-frequency", "hit-threshold") if 0 < share < 1 else ("decayed-frequency",):
-            r = decode_case(model, share, policy, args.warm, args.tokens)
+            r = decode_case(model, share, policy, args.warm, args.tokens, args.device)
             tokens[(share, policy)] = r["tokens"]
             print(f"| {share:.0%} | {policy} | {r['tok_s']:.1f} | {r['hit_rate']:.2f} | {r['resident']} / "
                   f"{r['capacity']} | {r['promotions']} | {r['crossover']:.1f} |", flush=True)
