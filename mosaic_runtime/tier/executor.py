@@ -88,19 +88,23 @@ class TieredExperts:
         on_cpu = [e for e in experts if e not in on_device]
 
         self.cache.fence()  # promotions of the last layer read ring slots that acquire() may now reuse
+        # Whatever makes the host wait for the device comes before any device work is queued: the CPU's
+        # copy of x, the copies of this chunk's transient records, the device experts' token lists (one
+        # copy, from pinned memory). After that nothing on the host waits until the sum.
+        xs = x.detach().to("cpu", torch.float32).contiguous().numpy() if on_cpu else None
+        records = {e: self.cache.record((layer, e)) if e in resident else self._upload(layer, e) for e in on_device}
         xd = x.to(device=device, dtype=torch.float32)
         yd = torch.zeros_like(xd)
-        # Device work first: on CUDA these launches return at once and run while the CPU kernel works.
-        for e in on_device:
-            tok, slot = np.nonzero(ids == e)
-            tok_d = torch.from_numpy(tok).to(device)
-            wt = torch.from_numpy(np.ascontiguousarray(w[tok, slot])).to(device)
-            record = self.cache.record((layer, e)) if e in resident else self._upload(layer, e)
-            yd.index_add_(0, tok_d, self.cache.run(record, xd[tok_d]) * wt[:, None])
-        y_cpu = None
-        if on_cpu:
-            xs = x.detach().to("cpu", torch.float32).contiguous().numpy()
-            y_cpu = self.cpu.run(layer, xs, ids, w, on_cpu)
+        if on_device:
+            per = [np.nonzero(ids == e) for e in on_device]
+            tok_d = self._to_device(np.concatenate([tok for tok, _ in per]).astype(np.int64))
+            w_d = self._to_device(np.concatenate([w[tok, slot] for tok, slot in per]).astype(np.float32))
+            at = 0
+            for e, (tok, _) in zip(on_device, per):  # on CUDA these launches return at once
+                idx, we = tok_d[at:at + len(tok)], w_d[at:at + len(tok)]
+                at += len(tok)
+                yd.index_add_(0, idx, self.cache.run(records[e], xd[idx]) * we[:, None])
+        y_cpu = self.cpu.run(layer, xs, ids, w, on_cpu) if on_cpu else None  # meanwhile, on the CPU
         t = time.perf_counter()
         y = yd if y_cpu is None else yd + torch.from_numpy(y_cpu).to(device)
         if device.type == "cuda":
@@ -108,6 +112,12 @@ class TieredExperts:
         self.device_s += time.perf_counter() - t
         self._apply(decision)
         return y.to(x.dtype)
+
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(a)
+        if self.cache.device.type == "cuda":  # pinned, so the copy is asynchronous
+            return t.pin_memory().to(self.cache.device, non_blocking=True)
+        return t.to(self.cache.device)
 
     def _upload(self, layer: int, expert: int) -> torch.Tensor:
         """A non-resident record on the device for this chunk: read through the ring, copied once."""
