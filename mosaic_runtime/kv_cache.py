@@ -58,16 +58,16 @@ class KVCache:
             pos += n
         return self._span(self.k, layer, end), self._span(self.v, layer, end)
 
-    def contiguous_run(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Keys and values of every reserved page of one layer as [Hkv, pages * page_tokens, D] views when
-        the pages are one ascending run (position p is row p), else None."""
+    def contiguous_run(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Keys and values of every reserved page, all layers, as [L, Hkv, pages * page_tokens, D] views
+        when the pages are one ascending run (position p is row p), else None."""
         n = len(self.pages)
         if n == 0 or self.pages != list(range(self.pages[0], self.pages[0] + n)):
             return None
         first = self.pages[0]
-        heads, dim = self.k.shape[1], self.k.shape[4]
-        return (self.k[layer, :, first:first + n].reshape(heads, -1, dim),
-                self.v[layer, :, first:first + n].reshape(heads, -1, dim))
+        layers, heads, dim = self.k.shape[0], self.k.shape[1], self.k.shape[4]
+        return (self.k[:, :, first:first + n].reshape(layers, heads, -1, dim),
+                self.v[:, :, first:first + n].reshape(layers, heads, -1, dim))
 
     def reserve(self, end: int) -> None:
         """Take pages from the pool until positions 0..end-1 have room (a step that writes them itself)."""

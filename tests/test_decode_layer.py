@@ -77,7 +77,7 @@ def test_out_of_order_pages_fall_back_to_torch(model_dir):
             runs.append((torch.stack(out), len(calls)))
         assert runs[0][1] > 0 and runs[1][1] == 0
         model.kv.reset()
-        assert model.kv.contiguous_run(0) is None  # nothing reserved
+        assert model.kv.contiguous_run() is None  # nothing reserved
         torch.testing.assert_close(runs[0][0], runs[1][0], atol=ATOL, rtol=0)
 
 

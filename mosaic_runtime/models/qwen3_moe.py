@@ -118,9 +118,10 @@ class Qwen3Moe:
         self._scratch = np.zeros(max(n.scratch_floats for n in layers), np.float32)
         return layers
 
-    def _decode_native(self, token: int, pos: int) -> torch.Tensor:
-        """One decode step through the native layers, its page already reserved; the same result as the
-        torch path of forward() within float rounding (tests/test_decode_layer.py holds them together)."""
+    def _decode_native(self, token: int, pos: int, run: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """One decode step through the native layers, its page already reserved and `run` the cache's
+        contiguous views; the same result as the torch path of forward() within float rounding
+        (tests/test_decode_layer.py holds them together)."""
         x = self.embed[token].to(torch.float32).numpy().copy()  # [H], updated in place layer by layer
         h = np.empty_like(x)
         weights, ids = np.empty(self.top_k, np.float32), np.empty(self.top_k, np.int32)
@@ -128,8 +129,7 @@ class Qwen3Moe:
         # Q4 projections want the VNNI kernel; bf16, int8, fp8 and attention run the same AVX-512 code under it.
         isa, n_threads = Q4_ISA, threads()
         for i, (layer, native) in enumerate(zip(self.layers, self.native_layers)):
-            k_run, v_run = self.kv.contiguous_run(i)
-            native(isa, n_threads, x, h, pos, cos, signed_sin, k_run.numpy(), v_run.numpy(), weights, ids,
+            native(isa, n_threads, x, h, pos, cos, signed_sin, run[0][i].numpy(), run[1][i].numpy(), weights, ids,
                    self._scratch)
             ht = torch.from_numpy(h)[None]
             if layer.mlp is not None:
@@ -148,8 +148,9 @@ class Qwen3Moe:
         """
         if ids.shape[0] == 1 and self.use_native_decode:
             self.kv.reserve(start + 1)
-            if self.kv.contiguous_run(0) is not None:  # else (pages out of order) the torch path gathers them
-                return self._decode_native(int(ids[0]), start)
+            run = self.kv.contiguous_run()
+            if run is not None:  # else (pages out of order) the torch path gathers them
+                return self._decode_native(int(ids[0]), start, run)
         x = self.embed[ids].to(self.dtype)  # [T, H]
         rope = self.rotary.at(torch.arange(start, start + ids.shape[0]))  # shared by every layer
         for i, layer in enumerate(self.layers):
