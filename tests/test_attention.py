@@ -15,11 +15,14 @@ from mosaic_shatter.convert import convert
 K = _native.kernels
 ATOL = 2e-6  # float32 sums in another order, and a polynomial exp within 2 ulp
 
-# (query heads, KV heads, head_dim, keys): head_dim 40 takes the scalar loop, 80 the AVX-512 loop with a
-# run-time width, 64/128/256 the unrolled ones; lengths around the 16-key tile and the 512-key chunk.
+# (query heads, KV heads, head_dim, keys): head_dim 40 takes the scalar loop; 80 and 112 the AVX-512 loop
+# with a run-time width and an odd last slice for float32 (bf16 rows of those widths take the scalar loop),
+# 96 a run-time width for both; 64/128/256 the unrolled ones. Lengths around the 16-key tile and the
+# 512-key chunk; 1 to 16 query heads a KV head, so every size of the last head block (1-4).
 SHAPES = [(1, 1, 40, 1), (4, 2, 40, 37), (8, 2, 64, 1), (8, 2, 64, 15), (8, 2, 64, 16), (8, 2, 64, 17),
           (6, 3, 80, 513), (32, 4, 128, 511), (32, 4, 128, 512), (16, 2, 256, 1100), (16, 1, 128, 700),
-          (64, 4, 128, 300)]
+          (64, 4, 128, 300), (2, 2, 256, 33), (3, 1, 64, 45), (5, 1, 128, 530), (6, 1, 96, 100),
+          (3, 1, 112, 70)]
 
 
 def isas():
@@ -48,6 +51,30 @@ def test_decode_kernel_matches_torch(hq, hkv, d, length, dtype):
     per_isa = len(outs) // len(isas())
     for i in range(0, len(outs), per_isa):
         assert all(np.array_equal(outs[i], o) for o in outs[i:i + per_isa])
+
+
+@pytest.mark.parametrize("rising", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_follows_a_moving_max(dtype, rising):
+    """Scores that climb by about 1 a key (the kernel's reference max moves every few keys, and the
+    outputs summed so far are rescaled each time), or fall from the first key (it never moves): still
+    the reference softmax."""
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, d, length = 8, 1, 128, 1000
+    q = torch.randn(1, hq, d, generator=g)
+    ramp = torch.arange(length, dtype=torch.float32) / 100
+    if not rising:
+        ramp = ramp.flip(0)
+    k = (q[0, :1] * ramp[:, None] + 0.1 * torch.randn(length, d, generator=g))[None].to(dtype)
+    v = torch.randn(hkv, length, d, generator=g).to(dtype)
+    ref = torch_attention(q, k, v, length - 1, d ** -0.5)
+    fn = K.decode_attention if dtype == torch.float32 else K.decode_attention_bf16
+    kk, vv = (k, v) if dtype == torch.float32 else (k.view(torch.uint16), v.view(torch.uint16))
+    for isa in isas():
+        out = np.empty((hq, d), np.float32)
+        fn(isa, 2, q[0].contiguous().numpy(), kk.numpy(), vv.numpy(), d ** -0.5, out)
+        # scores reach about 100 here, so float32 dot products in another order differ by about 1e-5
+        torch.testing.assert_close(torch.from_numpy(out).view(1, -1), ref, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

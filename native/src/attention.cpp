@@ -22,16 +22,19 @@ namespace {
 
 constexpr int kChunk = 512;  // keys per task: 2 x 512 KB of f32 K and V at head_dim 256
 constexpr int kTile = 16;    // keys whose scores are exponentiated together (one zmm)
-constexpr int kWidenAhead = 4 * 16 * 256;  // bf16 elements the widen pass prefetches ahead: 32 KB
-constexpr int kAhead = 1;    // float32 tiles' worth of bytes prefetched ahead (16 KB at head_dim 256)
+// A task's reference max moves only when a score exceeds it by more than this, so most tiles need no
+// max reduction and no rescaling of the outputs; probabilities stay below e^8 (about 3000) before the
+// final normalisation.
+constexpr float kSlack = 8.f;
+constexpr int kAhead = 1;    // tiles prefetched ahead (16 KB of float32 at head_dim 256)
 
-struct Partial {  // one task's state for one query head
-  float max, sum;
+struct Partial {  // one task's state for one query head: its probabilities' sum, relative to e^ref
+  float ref, sum;
 };
 
-// exp(x) for x <= 0 (scores minus their max), to about 2 ulp: x = n ln2 + r, |r| <= ln2/2, a degree-6
-// polynomial for e^r, then scaled by 2^n. Below -87 the result is 0 (a masked key's score is -inf).
-MOSAIC_AVX512 inline __m512 exp_nonpositive(__m512 x) {
+// exp(x) for x <= kSlack (scores minus their reference max), to about 2 ulp: x = n ln2 + r, |r| <= ln2/2,
+// a degree-6 polynomial for e^r, then scaled by 2^n. Below -87 the result is 0 (a masked key's score is -inf).
+MOSAIC_AVX512 inline __m512 exp_scores(__m512 x) {
   const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -65,24 +68,28 @@ MOSAIC_AVX512 inline __m512 sum16x16(const __m512* a) {
                        _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// A tile of cached rows as floats: float32 in place; bf16 widened exactly (its bits are a float's top
-// half) into buf. count is a multiple of 16 (whole rows of a head_dim that is).
-MOSAIC_AVX512 inline const float* widen_tile(const float* p, int, float*) { return p; }
-MOSAIC_AVX512 inline const float* widen_tile(const uint16_t* p, int count, float* buf) {
-  for (int i = 0; i < count; i += 16) {
-    // The stream ahead into L2 (a widened tile fills L1 itself): the widen pass reads memory, not cache.
-    if (i % 32 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + i + kWidenAhead), _MM_HINT_T1);
-    _mm512_store_ps(buf + i, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                 _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i))), 16)));
-  }
-  return buf;
-}
 inline float widen(float x) { return x; }
 inline float widen(uint16_t x) {
   const uint32_t bits = static_cast<uint32_t>(x) << 16;
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
+}
+
+// Slices 2i and 2i+1 (16 floats each) of a cached row, in the kernel's order.
+// float32: the row's values 32i..32i+15 and 32i+16..32i+31, in place.
+// bf16: one 64-byte load of 32 values. A bf16 is a float's top half, so the even-indexed values are the
+// 32-bit lanes shifted left by 16 and the odd-indexed ones the lanes with their low half cleared: one
+// integer op a slice, no shuffle and no widened copy. Inside each block of 32 the kernel's order is then
+// evens, odds; attend lays the queries out the same way and puts the outputs back.
+MOSAIC_AVX512 inline void load_pair(const float* row, int i, __m512& s0, __m512& s1) {
+  s0 = _mm512_loadu_ps(row + 32 * i);
+  s1 = _mm512_loadu_ps(row + 32 * i + 16);
+}
+MOSAIC_AVX512 inline void load_pair(const uint16_t* row, int i, __m512& s0, __m512& s1) {
+  const __m512i w = _mm512_loadu_si512(row + 32 * i);
+  s0 = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  s1 = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
 // Lines [first, first + count) of the rows at base (clipped to `lines`), towards L1. Prefetching past the
@@ -93,84 +100,157 @@ inline void prefetch_lines(const T* base, int first, int count, int lines) {
   for (int i = first; i < std::min(first + count, lines); ++i) _mm_prefetch(p + 64 * static_cast<int64_t>(i), _MM_HINT_T0);
 }
 
-// One task, AVX-512, head_dim a multiple of 16 and at most kMaxDim: rep query heads (q, rep x d) over
-// keys [k0, k1) of one KV head. Leaves unnormalised outputs in o (rep x d) and max/sum in part.
-// NV = d / 16 when known at compile time (the query and output rows then stay in registers), else 0.
+// Scores of HB query heads (q, rows d apart, in the kernel's order) against 4 key rows, over the nv
+// slices of a row: each loaded key slice feeds HB heads and each query slice 4 keys, so a multiply-add
+// costs 1/HB + 1/4 loads from L1 instead of 1 or 2. L1 loads, not the FMA units, bound these loops (about
+// one 64-byte load a cycle measured here). Leaves the HB x 4 lane-partial sums in a[h * kTile + j].
+template <int HB, typename T>
+MOSAIC_AVX512 inline void score_block(const float* q, int d, int nv, const T* const* krow, __m512* a) {
+  __m512 acc[HB][4];
+  for (int h = 0; h < HB; ++h)
+    for (int j = 0; j < 4; ++j) acc[h][j] = _mm512_setzero_ps();
+  for (int i = 0; i + 2 <= nv; i += 2) {
+    __m512 k0[4], k1[4];
+    for (int j = 0; j < 4; ++j) load_pair(krow[j], i / 2, k0[j], k1[j]);
+    for (int h = 0; h < HB; ++h) {
+      const __m512 q0 = _mm512_loadu_ps(q + static_cast<int64_t>(h) * d + 16 * i);
+      const __m512 q1 = _mm512_loadu_ps(q + static_cast<int64_t>(h) * d + 16 * i + 16);
+      for (int j = 0; j < 4; ++j) acc[h][j] = _mm512_fmadd_ps(q1, k1[j], _mm512_fmadd_ps(q0, k0[j], acc[h][j]));
+    }
+  }
+  if constexpr (std::is_same<T, float>::value) {
+    if (nv % 2) {  // an odd last slice (head_dim 80, 112, ...); bf16 rows come in whole pairs
+      for (int j = 0; j < 4; ++j) {
+        const __m512 kv = _mm512_loadu_ps(krow[j] + 16 * (nv - 1));
+        for (int h = 0; h < HB; ++h)
+          acc[h][j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + static_cast<int64_t>(h) * d + 16 * (nv - 1)), kv, acc[h][j]);
+      }
+    }
+  }
+  for (int h = 0; h < HB; ++h)
+    for (int j = 0; j < 4; ++j) a[h * kTile + j] = acc[h][j];
+}
+
+// o[h] += sum_j p[h][j] v[j] for HB heads over S slices of their output rows from slice i0
+// (even when S is), over the n value rows of a tile: each loaded value slice feeds HB heads.
+template <int HB, int S, typename T>
+MOSAIC_AVX512 inline void value_block(float* o, int d, int i0, const float (*p)[kTile], const T* vt, int n) {
+  __m512 acc[HB][S];
+  for (int h = 0; h < HB; ++h)
+    for (int s = 0; s < S; ++s)
+      acc[h][s] = _mm512_loadu_ps(o + static_cast<int64_t>(h) * d + 16 * (i0 + s));
+  for (int j = 0; j < n; ++j) {
+    const T* vr = vt + static_cast<int64_t>(j) * d;
+    __m512 vv[S];
+    if constexpr (S == 1) vv[0] = _mm512_loadu_ps(vr + 16 * i0);  // float32 only
+    else
+      for (int s = 0; s < S; s += 2) load_pair(vr, (i0 + s) / 2, vv[s], vv[s + 1]);
+    for (int h = 0; h < HB; ++h) {
+      const __m512 ph = _mm512_set1_ps(p[h][j]);
+      for (int s = 0; s < S; ++s) acc[h][s] = _mm512_fmadd_ps(ph, vv[s], acc[h][s]);
+    }
+  }
+  for (int h = 0; h < HB; ++h)
+    for (int s = 0; s < S; ++s) _mm512_storeu_ps(o + static_cast<int64_t>(h) * d + 16 * (i0 + s), acc[h][s]);
+}
+
+// The value phase of one head block (HB heads): every slice of their output rows, 4 at a time.
+template <int HB, typename T>
+MOSAIC_AVX512 inline void value_rows(float* o, int d, int nv, const float (*p)[kTile], const T* vt, int n) {
+  int i = 0;
+  for (; i + 4 <= nv; i += 4) value_block<HB, 4, T>(o, d, i, p, vt, n);
+  for (; i + 2 <= nv; i += 2) value_block<HB, 2, T>(o, d, i, p, vt, n);
+  if constexpr (std::is_same<T, float>::value)
+    if (i < nv) value_block<HB, 1, T>(o, d, i, p, vt, n);
+}
+
+// One task, AVX-512, head_dim a multiple of 16 (of 32 for bf16) and at most kMaxDim: rep query heads
+// (q, rep x d, in the kernel's order) over keys [k0, k1) of one KV head. Leaves unnormalised outputs in o
+// (rep x d, the kernel's order) and max/sum in part. NV = d / 16 when known at compile time, else 0.
 constexpr int kMaxDim = 512;
 
 template <int NV, typename T>
 MOSAIC_AVX512 void task_avx512(const float* q, int rep, int d, const T* k, const T* v, int k0, int k1,
                                float* o, Partial* part) {
   // Tile-major: a tile's 16 key rows come from memory once and stay in L1 while every query head of the
-  // group scores them; then its 16 value rows, while every head accumulates them. Each phase touches one
-  // 16-row tile (16 KB at head_dim 256) beside the queries or outputs, well inside L1.
+  // group scores them; then its 16 value rows, while every head accumulates them. Heads go in blocks of
+  // 4 (the last block 1-3), so each row slice loaded from L1 feeds several heads.
   const int nv = NV ? NV : d / 16;
-  // The next tile's rows are prefetched while this one computes, spread evenly over the (head, key)
-  // iterations of each phase, so DRAM streams behind the arithmetic instead of stalling the first head.
+  // The next tile's rows are prefetched while this one computes, spread evenly over the head blocks of
+  // each phase, so DRAM streams behind the arithmetic instead of stalling the first block.
   const int tile_lines = kTile * d * static_cast<int>(sizeof(T)) / 64;  // 64-byte lines in one tile of K (or V)
-  const int per_step = (tile_lines + rep * kTile - 1) / (rep * kTile);
-  // How far ahead, in elements: kAhead float32 tiles' worth of bytes, so two bf16 tiles.
-  const int64_t ahead = static_cast<int64_t>(kAhead) * kTile * d * 4 / static_cast<int64_t>(sizeof(T));
+  const int blocks = (rep + 3) / 4;
+  const int per_block = (tile_lines + blocks - 1) / blocks;
+  const int64_t ahead = static_cast<int64_t>(kAhead) * kTile * d;  // elements
   constexpr int kMaxRep = 64;
-  // Widened bf16 tiles (unused for float32), on the stack: one key tile and one value tile.
-  alignas(64) float tile_k[std::is_same<T, float>::value ? 16 : kTile * kMaxDim];
-  alignas(64) float tile_v[std::is_same<T, float>::value ? 16 : kTile * kMaxDim];
   alignas(64) float probs[kMaxRep][kTile];
-  float correction[kMaxRep];
+  alignas(64) __m512 a[4 * kTile];  // one head block's lane-partial scores
+  // Per head: the reference max (exp's offset) and the lanes of the running sum of probabilities.
+  float ref[kMaxRep];
+  __m512 sums[kMaxRep];
   for (int r = 0; r < rep; ++r) {
     std::fill(o + static_cast<int64_t>(r) * d, o + static_cast<int64_t>(r + 1) * d, 0.f);
-    part[r] = {-std::numeric_limits<float>::infinity(), 0.f};
+    ref[r] = -std::numeric_limits<float>::infinity();
+    sums[r] = _mm512_setzero_ps();
   }
   for (int j0 = k0; j0 < k1; j0 += kTile) {
     const int n = std::min(kTile, k1 - j0);
     const __mmask16 live = n == kTile ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
     const T* kt = k + static_cast<int64_t>(j0) * d;
     const T* vt = v + static_cast<int64_t>(j0) * d;
-    // A bf16 tile is widened once into L1 (every head then reads floats); a float32 tile is used in place.
-    const float* kf = widen_tile(kt, n * d, tile_k);
-    const float* vf = widen_tile(vt, n * d, tile_v);
-    for (int r = 0; r < rep; ++r) {  // scores, row by row (sequential reads), q in registers
-      const float* qr = q + static_cast<int64_t>(r) * d;  // already times scale
-      __m512 qv[NV ? NV : kMaxDim / 16], a[kTile];
-      for (int i = 0; i < nv; ++i) qv[i] = _mm512_loadu_ps(qr + 16 * i);
-      for (int j = 0; j < kTile; ++j) {
+    for (int r0 = 0; r0 < rep; r0 += 4) {  // scores, one head block at a time
+      const int hb = std::min(4, rep - r0);
+      prefetch_lines(kt + ahead, (r0 / 4) * per_block, per_block, tile_lines);
+      const float* qb = q + static_cast<int64_t>(r0) * d;  // already times scale
+      for (int j = 0; j < kTile; j += 4) {
         if (j >= n) {
-          a[j] = _mm512_setzero_ps();
+          for (int h = 0; h < hb; ++h)
+            for (int jj = 0; jj < 4; ++jj) a[h * kTile + j + jj] = _mm512_setzero_ps();
           continue;
         }
-        const float* kr = kf + static_cast<int64_t>(j) * d;
-        if (std::is_same<T, float>::value) prefetch_lines(kt + ahead, (r * kTile + j) * per_step, per_step, tile_lines);
-        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-        int i = 0;
-        for (; i + 2 <= nv; i += 2) {
-          a0 = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kr + 16 * i), a0);
-          a1 = _mm512_fmadd_ps(qv[i + 1], _mm512_loadu_ps(kr + 16 * i + 16), a1);
+        // rows past the tile's end repeat its last row: read in bounds, masked out of the softmax below
+        const T* krow[4];
+        for (int jj = 0; jj < 4; ++jj) krow[jj] = kt + static_cast<int64_t>(std::min(j + jj, n - 1)) * d;
+        if (hb == 4) score_block<4, T>(qb, d, nv, krow, a + j);
+        else if (hb == 3) score_block<3, T>(qb, d, nv, krow, a + j);
+        else if (hb == 2) score_block<2, T>(qb, d, nv, krow, a + j);
+        else score_block<1, T>(qb, d, nv, krow, a + j);
+      }
+      // The block's heads step by step (sums, then the rare new reference, then exp), so their
+      // dependency chains overlap instead of running one head after another.
+      __m512 sc[4];
+      for (int h = 0; h < hb; ++h)
+        sc[h] = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live, sum16x16(a + h * kTile));
+      for (int h = 0; h < hb; ++h) {
+        const int r = r0 + h;
+        if (_mm512_cmp_ps_mask(sc[h], _mm512_set1_ps(ref[r] + kSlack), _CMP_GT_OQ)) {
+          // A new reference: the exact max so far. What was summed under the old one is scaled to the new
+          // (by 0 on the first tile, whose reference is -inf, where the outputs and sums are still 0).
+          const float m_new = std::max(ref[r], _mm512_reduce_max_ps(sc[h]));
+          const __m512 c = exp_scores(_mm512_set1_ps(ref[r] - m_new));
+          float* orow = o + static_cast<int64_t>(r) * d;
+          for (int i = 0; i < d; i += 16) _mm512_storeu_ps(orow + i, _mm512_mul_ps(_mm512_loadu_ps(orow + i), c));
+          sums[r] = _mm512_mul_ps(sums[r], c);
+          ref[r] = m_new;
         }
-        if (i < nv) a0 = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kr + 16 * i), a0);
-        a[j] = _mm512_add_ps(a0, a1);
       }
-      const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live, sum16x16(a));
-      const float m_new = std::max(part[r].max, _mm512_reduce_max_ps(s));
-      // 0 on the first tile (max = -inf); the vector exp, so no call spills the registers
-      correction[r] = _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(part[r].max - m_new)));
-      const __m512 p = exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(m_new)));
-      part[r] = {m_new, part[r].sum * correction[r] + _mm512_reduce_add_ps(p)};
-      _mm512_store_ps(probs[r], p);
+      for (int h = 0; h < hb; ++h) {
+        const __m512 p = exp_scores(_mm512_sub_ps(sc[h], _mm512_set1_ps(ref[r0 + h])));
+        sums[r0 + h] = _mm512_add_ps(sums[r0 + h], p);
+        _mm512_store_ps(probs[r0 + h], p);
+      }
     }
-    for (int r = 0; r < rep; ++r) {  // values: the head's output row in registers over the tile
-      float* orow = o + static_cast<int64_t>(r) * d;
-      const __m512 c = _mm512_set1_ps(correction[r]);
-      __m512 acc[NV ? NV : kMaxDim / 16];
-      for (int i = 0; i < nv; ++i) acc[i] = _mm512_mul_ps(_mm512_loadu_ps(orow + 16 * i), c);
-      for (int j = 0; j < n; ++j) {
-        const __m512 pj = _mm512_set1_ps(probs[r][j]);
-        const float* vr = vf + static_cast<int64_t>(j) * d;
-        if (std::is_same<T, float>::value) prefetch_lines(vt + ahead, (r * kTile + j) * per_step, per_step, tile_lines);
-        for (int i = 0; i < nv; ++i) acc[i] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vr + 16 * i), acc[i]);
-      }
-      for (int i = 0; i < nv; ++i) _mm512_storeu_ps(orow + 16 * i, acc[i]);
+    for (int r0 = 0; r0 < rep; r0 += 4) {  // values, one head block at a time
+      const int hb = std::min(4, rep - r0);
+      prefetch_lines(vt + ahead, (r0 / 4) * per_block, per_block, tile_lines);
+      float* ob = o + static_cast<int64_t>(r0) * d;
+      if (hb == 4) value_rows<4, T>(ob, d, nv, probs + r0, vt, n);
+      else if (hb == 3) value_rows<3, T>(ob, d, nv, probs + r0, vt, n);
+      else if (hb == 2) value_rows<2, T>(ob, d, nv, probs + r0, vt, n);
+      else value_rows<1, T>(ob, d, nv, probs + r0, vt, n);
     }
   }
+  for (int r = 0; r < rep; ++r) part[r] = {ref[r], _mm512_reduce_add_ps(sums[r])};
 }
 
 template <typename T>
@@ -203,11 +283,18 @@ void attend(const float* q, int heads, int head_dim, const T* k, const T* v, int
   const int rep = heads / kv_heads, d = head_dim;
   const int chunks = std::max(1, (length + kChunk - 1) / kChunk);
   const int tasks = kv_heads * chunks;
-  const bool wide = (isa == Isa::Avx512 || isa == Isa::Avx512Vnni) && d % 16 == 0 && d <= kMaxDim && rep <= 64;
+  constexpr bool bf16 = std::is_same<T, uint16_t>::value;
+  const bool wide = (isa == Isa::Avx512 || isa == Isa::Avx512Vnni) && d % (bf16 ? 32 : 16) == 0 && d <= kMaxDim &&
+                    rep <= 64;
+  // Where the AVX-512 loop keeps element i of a query or output row (load_pair): bf16 rows go as evens
+  // then odds inside each block of 32; otherwise in place.
+  const bool split = bf16 && wide;
+  auto at = [split](int i) { return split ? (i & ~31) + (i & 1) * 16 + (i & 31) / 2 : i; };
   thread_local std::vector<float> o_buf, q_buf;
   thread_local std::vector<Partial> part_buf;
   q_buf.resize(static_cast<size_t>(heads) * d);  // the queries times scale: what every task dots with
-  for (size_t i = 0; i < q_buf.size(); ++i) q_buf[i] = q[i] * scale;
+  for (int h = 0; h < heads; ++h)
+    for (int i = 0; i < d; ++i) q_buf[static_cast<size_t>(h) * d + at(i)] = q[static_cast<size_t>(h) * d + i] * scale;
   q = q_buf.data();
   o_buf.resize(static_cast<size_t>(tasks) * rep * d);
   part_buf.resize(static_cast<size_t>(tasks) * rep);
@@ -232,16 +319,16 @@ void attend(const float* q, int heads, int head_dim, const T* k, const T* v, int
   for (int g = 0; g < kv_heads; ++g) {
     for (int r = 0; r < rep; ++r) {
       float m = -std::numeric_limits<float>::infinity();
-      for (int c = 0; c < chunks; ++c) m = std::max(m, part_all[(g * chunks + c) * rep + r].max);
+      for (int c = 0; c < chunks; ++c) m = std::max(m, part_all[(g * chunks + c) * rep + r].ref);
       float* dst = out + (static_cast<int64_t>(g) * rep + r) * d;
       std::fill(dst, dst + d, 0.f);
       float l = 0.f;
       for (int c = 0; c < chunks; ++c) {
         const int t = g * chunks + c;
-        const float w = std::exp(part_all[t * rep + r].max - m);
+        const float w = std::exp(part_all[t * rep + r].ref - m);
         l += part_all[t * rep + r].sum * w;
         const float* o = o_all + (static_cast<int64_t>(t) * rep + r) * d;
-        for (int i = 0; i < d; ++i) dst[i] += o[i] * w;
+        for (int i = 0; i < d; ++i) dst[i] += o[at(i)] * w;
       }
       const float inv = 1.f / l;
       for (int i = 0; i < d; ++i) dst[i] *= inv;
