@@ -92,26 +92,37 @@ MOSAIC_AVX512 inline void load_pair(const uint16_t* row, int i, __m512& s0, __m5
   s1 = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// Lines [first, first + count) of the rows at base (clipped to `lines`), towards L1. Prefetching past the
-// end of the cache is harmless: prefetches never fault.
-template <typename T>
-inline void prefetch_lines(const T* base, int first, int count, int lines) {
-  const char* p = reinterpret_cast<const char*>(base);
-  for (int i = first; i < std::min(first + count, lines); ++i) _mm_prefetch(p + 64 * static_cast<int64_t>(i), _MM_HINT_T0);
-}
+// The next tile's key and value lines, prefetched towards L1 a few at a time from inside the arithmetic
+// (step() once an inner iteration), so memory streams behind the compute. A burst of prefetches would
+// fill the core's dozen line-fill buffers and stall it, and with no prefetch the stream idles whenever
+// the loop works from L1. Prefetching past the end of the cache is harmless: prefetches never fault.
+struct Prefetcher {
+  const char* k;
+  const char* v;
+  int lines;     // 64-byte lines in one tile of K (the same of V)
+  int per_step;  // lines a step
+  int done = 0;
+  inline void step() {
+    for (int i = 0; i < per_step && done < 2 * lines; ++i, ++done)
+      _mm_prefetch(done < lines ? k + 64 * static_cast<int64_t>(done) : v + 64 * static_cast<int64_t>(done - lines),
+                   _MM_HINT_T0);
+  }
+};
 
 // Scores of HB query heads (q, rows d apart, in the kernel's order) against 4 key rows, over the nv
 // slices of a row: each loaded key slice feeds HB heads and each query slice 4 keys, so a multiply-add
 // costs 1/HB + 1/4 loads from L1 instead of 1 or 2. L1 loads, not the FMA units, bound these loops (about
 // one 64-byte load a cycle measured here). Leaves the HB x 4 lane-partial sums in a[h * kTile + j].
 template <int HB, typename T>
-MOSAIC_AVX512 inline void score_block(const float* q, int d, int nv, const T* const* krow, __m512* a) {
+MOSAIC_AVX512 inline void score_block(const float* q, int d, int nv, const T* const* krow, __m512* a,
+                                      Prefetcher& pf) {
   __m512 acc[HB][4];
   for (int h = 0; h < HB; ++h)
     for (int j = 0; j < 4; ++j) acc[h][j] = _mm512_setzero_ps();
   for (int i = 0; i + 2 <= nv; i += 2) {
     __m512 k0[4], k1[4];
     for (int j = 0; j < 4; ++j) load_pair(krow[j], i / 2, k0[j], k1[j]);
+    pf.step();
     for (int h = 0; h < HB; ++h) {
       const __m512 q0 = _mm512_loadu_ps(q + static_cast<int64_t>(h) * d + 16 * i);
       const __m512 q1 = _mm512_loadu_ps(q + static_cast<int64_t>(h) * d + 16 * i + 16);
@@ -134,13 +145,15 @@ MOSAIC_AVX512 inline void score_block(const float* q, int d, int nv, const T* co
 // o[h] += sum_j p[h][j] v[j] for HB heads over S slices of their output rows from slice i0
 // (even when S is), over the n value rows of a tile: each loaded value slice feeds HB heads.
 template <int HB, int S, typename T>
-MOSAIC_AVX512 inline void value_block(float* o, int d, int i0, const float (*p)[kTile], const T* vt, int n) {
+MOSAIC_AVX512 inline void value_block(float* o, int d, int i0, const float (*p)[kTile], const T* vt, int n,
+                                      Prefetcher& pf) {
   __m512 acc[HB][S];
   for (int h = 0; h < HB; ++h)
     for (int s = 0; s < S; ++s)
       acc[h][s] = _mm512_loadu_ps(o + static_cast<int64_t>(h) * d + 16 * (i0 + s));
   for (int j = 0; j < n; ++j) {
     const T* vr = vt + static_cast<int64_t>(j) * d;
+    pf.step();
     __m512 vv[S];
     if constexpr (S == 1) vv[0] = _mm512_loadu_ps(vr + 16 * i0);  // float32 only
     else
@@ -156,12 +169,13 @@ MOSAIC_AVX512 inline void value_block(float* o, int d, int i0, const float (*p)[
 
 // The value phase of one head block (HB heads): every slice of their output rows, 4 at a time.
 template <int HB, typename T>
-MOSAIC_AVX512 inline void value_rows(float* o, int d, int nv, const float (*p)[kTile], const T* vt, int n) {
+MOSAIC_AVX512 inline void value_rows(float* o, int d, int nv, const float (*p)[kTile], const T* vt, int n,
+                                     Prefetcher& pf) {
   int i = 0;
-  for (; i + 4 <= nv; i += 4) value_block<HB, 4, T>(o, d, i, p, vt, n);
-  for (; i + 2 <= nv; i += 2) value_block<HB, 2, T>(o, d, i, p, vt, n);
+  for (; i + 4 <= nv; i += 4) value_block<HB, 4, T>(o, d, i, p, vt, n, pf);
+  for (; i + 2 <= nv; i += 2) value_block<HB, 2, T>(o, d, i, p, vt, n, pf);
   if constexpr (std::is_same<T, float>::value)
-    if (i < nv) value_block<HB, 1, T>(o, d, i, p, vt, n);
+    if (i < nv) value_block<HB, 1, T>(o, d, i, p, vt, n, pf);
 }
 
 // One task, AVX-512, head_dim a multiple of 16 (of 32 for bf16) and at most kMaxDim: rep query heads
@@ -176,11 +190,11 @@ MOSAIC_AVX512 void task_avx512(const float* q, int rep, int d, const T* k, const
   // group scores them; then its 16 value rows, while every head accumulates them. Heads go in blocks of
   // 4 (the last block 1-3), so each row slice loaded from L1 feeds several heads.
   const int nv = NV ? NV : d / 16;
-  // The next tile's rows are prefetched while this one computes, spread evenly over the head blocks of
-  // each phase, so DRAM streams behind the arithmetic instead of stalling the first block.
-  const int tile_lines = kTile * d * static_cast<int>(sizeof(T)) / 64;  // 64-byte lines in one tile of K (or V)
+  // The next tiles' lines are prefetched spread over this tile's inner iterations (Prefetcher).
+  const int tile_lines = kTile * d * static_cast<int>(sizeof(T)) / 64;
   const int blocks = (rep + 3) / 4;
-  const int per_block = (tile_lines + blocks - 1) / blocks;
+  const int steps = blocks * (kTile / 4) * (nv / 2) + blocks * ((nv + 3) / 4) * kTile;  // a full tile's
+  const int per_step = (2 * tile_lines + steps - 1) / steps;
   const int64_t ahead = static_cast<int64_t>(kAhead) * kTile * d;  // elements
   constexpr int kMaxRep = 64;
   alignas(64) float probs[kMaxRep][kTile];
@@ -198,9 +212,10 @@ MOSAIC_AVX512 void task_avx512(const float* q, int rep, int d, const T* k, const
     const __mmask16 live = n == kTile ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
     const T* kt = k + static_cast<int64_t>(j0) * d;
     const T* vt = v + static_cast<int64_t>(j0) * d;
+    Prefetcher pf{reinterpret_cast<const char*>(kt + ahead), reinterpret_cast<const char*>(vt + ahead), tile_lines,
+                  per_step};
     for (int r0 = 0; r0 < rep; r0 += 4) {  // scores, one head block at a time
       const int hb = std::min(4, rep - r0);
-      prefetch_lines(kt + ahead, (r0 / 4) * per_block, per_block, tile_lines);
       const float* qb = q + static_cast<int64_t>(r0) * d;  // already times scale
       for (int j = 0; j < kTile; j += 4) {
         if (j >= n) {
@@ -211,10 +226,10 @@ MOSAIC_AVX512 void task_avx512(const float* q, int rep, int d, const T* k, const
         // rows past the tile's end repeat its last row: read in bounds, masked out of the softmax below
         const T* krow[4];
         for (int jj = 0; jj < 4; ++jj) krow[jj] = kt + static_cast<int64_t>(std::min(j + jj, n - 1)) * d;
-        if (hb == 4) score_block<4, T>(qb, d, nv, krow, a + j);
-        else if (hb == 3) score_block<3, T>(qb, d, nv, krow, a + j);
-        else if (hb == 2) score_block<2, T>(qb, d, nv, krow, a + j);
-        else score_block<1, T>(qb, d, nv, krow, a + j);
+        if (hb == 4) score_block<4, T>(qb, d, nv, krow, a + j, pf);
+        else if (hb == 3) score_block<3, T>(qb, d, nv, krow, a + j, pf);
+        else if (hb == 2) score_block<2, T>(qb, d, nv, krow, a + j, pf);
+        else score_block<1, T>(qb, d, nv, krow, a + j, pf);
       }
       // The block's heads step by step (sums, then the rare new reference, then exp), so their
       // dependency chains overlap instead of running one head after another.
@@ -242,12 +257,11 @@ MOSAIC_AVX512 void task_avx512(const float* q, int rep, int d, const T* k, const
     }
     for (int r0 = 0; r0 < rep; r0 += 4) {  // values, one head block at a time
       const int hb = std::min(4, rep - r0);
-      prefetch_lines(vt + ahead, (r0 / 4) * per_block, per_block, tile_lines);
       float* ob = o + static_cast<int64_t>(r0) * d;
-      if (hb == 4) value_rows<4, T>(ob, d, nv, probs + r0, vt, n);
-      else if (hb == 3) value_rows<3, T>(ob, d, nv, probs + r0, vt, n);
-      else if (hb == 2) value_rows<2, T>(ob, d, nv, probs + r0, vt, n);
-      else value_rows<1, T>(ob, d, nv, probs + r0, vt, n);
+      if (hb == 4) value_rows<4, T>(ob, d, nv, probs + r0, vt, n, pf);
+      else if (hb == 3) value_rows<3, T>(ob, d, nv, probs + r0, vt, n, pf);
+      else if (hb == 2) value_rows<2, T>(ob, d, nv, probs + r0, vt, n, pf);
+      else value_rows<1, T>(ob, d, nv, probs + r0, vt, n, pf);
     }
   }
   for (int r = 0; r < rep; ++r) part[r] = {ref[r], _mm512_reduce_add_ps(sums[r])};
