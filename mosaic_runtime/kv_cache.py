@@ -12,6 +12,8 @@ import heapq
 
 import torch
 
+from .memory import zeroed_pool
+
 PAGE_TOKENS = 256
 
 
@@ -22,8 +24,8 @@ class KVCache:
         n_pages = -(-max_seq // page_tokens)
         # The pool, head-major so that one head's keys over a run of pages are contiguous: attention reads
         # them in place.
-        self.k = torch.zeros(num_layers, kv_heads, n_pages, page_tokens, head_dim, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
+        shape = (num_layers, kv_heads, n_pages, page_tokens, head_dim)
+        self.k, self.v = zeroed_pool(shape, dtype), zeroed_pool(shape, dtype)
         self.free = list(range(n_pages))  # a heap: lowest page first
         self.pages: list[int] = []  # the sequence's page table: logical page -> pool page
         self.length = 0  # tokens already held
