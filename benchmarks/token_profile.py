@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.peer_bench import bandwidth, mosaic_token_bytes  # noqa: E402
+from benchmarks.peer_bench import bandwidth, mosaic_token_bytes, token_stream  # noqa: E402
 
 
 def main() -> None:
@@ -77,16 +77,21 @@ def main() -> None:
 
     model.experts = TimedExperts()
 
-    prompt = [(17 * i + 5) % engine.arch["vocab_size"] for i in range(32)]
-    # Warm: every expert a decode step will use is read into the ring first (a steady state, not a cold one).
-    list(engine.generate_ids(prompt, max_new_tokens=args.warm))
-    logits = model.forward(torch.tensor(prompt), 0)[-1]
-    token, pos = int(logits.argmax()), len(prompt)
+    # The peer benchmark's fixed pseudo-random stream, fed rather than sampled: routing varies from token
+    # to token as with real text (a random model's greedy choice repeats one token and routes every step
+    # alike). The warm tokens come first, so the experts the timed ones use are mostly in the ring.
+    stream = token_stream("a", 32 + args.warm + args.tokens)
+    prompt, warm, timed_ids = stream[:32], stream[32:32 + args.warm], stream[32 + args.warm:]
+    model.forward(torch.tensor(prompt), 0)
+    pos = len(prompt)
+    for token in warm:
+        model.forward(torch.tensor([token]), pos)
+        pos += 1
     spent.clear()
     kernel0, io0 = experts.kernel_s, engine.store.io.io_s if engine.store else 0.0
     t0 = time.perf_counter()
-    for _ in range(args.tokens):
-        token = int(model.forward(torch.tensor([token]), pos)[-1].argmax())
+    for token in timed_ids:
+        model.forward(torch.tensor([token]), pos)
         pos += 1
     total = (time.perf_counter() - t0) / args.tokens
     per = {k: v / args.tokens for k, v in spent.items()}

@@ -39,7 +39,8 @@ class Stats:
 
     hits: dict[int, int] = field(default_factory=dict)  # layer -> ring hits
     misses: dict[int, int] = field(default_factory=dict)  # layer -> records read
-    bytes_read: int = 0
+    bytes_read: int = 0  # read because a layer asked
+    preload_bytes: int = 0  # read ahead of need by preload, counted as layers first use them
     io_s: float = 0.0  # waiting for expert reads
     kernel_s: float = 0.0  # in the native expert kernel
     prompt_tokens: int = 0
@@ -108,7 +109,7 @@ class Engine:
     def open(cls, path, ram_budget: int | None = None, io: str | None = None, threads: int | None = None, *,
              max_seq: int = 4096, kernel: str = "native", backbone: str = "bf16", device: str | None = None,
              vram_budget: int | None = None, tier_policy: str = DEFAULT_TIER_POLICY, kv_dtype: str = "float32",
-             verbose: bool = False) -> "Engine":
+             preload: bool = True, verbose: bool = False) -> "Engine":
         """Open a model directory written by `mosaic-shatter convert`.
 
         Args:
@@ -134,6 +135,9 @@ class Engine:
             tier_policy: "decayed-frequency" (default) or "hit-threshold" (the seed's 3-hit rule).
             kv_dtype: "float32" (default, exact) or "bfloat16": keys and values rounded to bf16 as they are
                 cached, half the KV memory (long contexts; logits move by the rounding).
+            preload: when the ring can hold every record, read them all in the background from the start
+                (behind any read a layer waits for), so a model that fits in RAM soon runs with no reads.
+                It changes no result, only when records arrive.
             verbose: print notices (such as a Direct-I/O fallback) to stderr.
         Raises:
             VaultError: the directory is not a complete, valid vault.
@@ -176,6 +180,8 @@ class Engine:
                 arch["num_hidden_layers"], max_seq, arch["num_key_value_heads"], arch["head_dim"],
                 kv_torch_dtype.itemsize)
             store = ExpertStore(vault, ring_slots(vault, ram_budget, resident), io or DEFAULT_IO, notice=notice)
+            if preload:
+                store.preload()
             experts = NativeExperts(store, threads, isa)
         else:
             raise ValueError(f"kernel must be 'native', 'native-int8' or 'torch', not {kernel!r}")
@@ -203,7 +209,7 @@ class Engine:
         s, c = self.stats, self.store.policy.counters
         s.hits = {layer: v.hits for layer, v in sorted(c.items())}
         s.misses = {layer: v.misses for layer, v in sorted(c.items())}
-        s.bytes_read = self.store.io.bytes_read
+        s.bytes_read, s.preload_bytes = self.store.io.bytes_read, self.store.io.preload_bytes
         s.io_s = self.store.io.io_s - self._io_mark
         s.kernel_s = self.model.experts.kernel_s - self._kernel_mark
         if isinstance(self.model.experts, TieredExperts):

@@ -105,7 +105,7 @@ def test_corrupted_record_raises_and_hands_nothing_to_the_kernel(model_dir, tmp_
     import shutil
     d = tmp_path / "bad"
     shutil.copytree(model_dir, d)
-    engine = Engine.open(d, ram_budget=1 << 30, max_seq=64)
+    engine = Engine.open(d, ram_budget=1 << 30, max_seq=64, preload=False)  # it would read the good bytes first
     entry = engine.vault.entry(1, 3)
     flip_byte(d / "experts.vault", entry.offset + 777)
     bad = None
@@ -200,7 +200,7 @@ def test_direct_read_refused_midway_falls_back(model_dir):
 def test_a_layer_abandoned_mid_read_leaves_the_store_consistent(model_dir):
     """Ctrl-C between the router and the kernel: reads in flight land, nothing stays pinned or unchecked."""
     from mosaic_runtime.cache.ring import SlotState
-    engine = Engine.open(model_dir, ram_budget=1 << 30, max_seq=64)
+    engine = Engine.open(model_dir, ram_budget=1 << 30, max_seq=64, preload=False)
     want = run(Engine.open(model_dir, ram_budget=1 << 30, max_seq=64))
     store = engine.store
     slots = store.acquire(1, [0, 3, 5])  # reads submitted, the kernel never runs
@@ -208,3 +208,52 @@ def test_a_layer_abandoned_mid_read_leaves_the_store_consistent(model_dir):
     assert not store._pinned and not store._reading
     assert all(store.ring.state(s) == SlotState.READY for s in slots)
     assert all(torch.equal(a, b) for a, b in zip(run(engine), want))
+
+
+def wait_for_preload(store):
+    for slot in list(store._reading):
+        store.ring.wait(slot)
+
+
+def test_preload_fills_the_ring_and_changes_no_bit(model_dir):
+    """A vault that fits: every record is read in the background at open, so the layers read nothing."""
+    engine = Engine.open(model_dir, ram_budget=1 << 30, max_seq=64)
+    store = engine.store
+    assert len(store._reading) == len(engine.vault.entries) == store.ring.n_slots
+    wait_for_preload(store)
+    from mosaic_runtime.cache.ring import SlotState
+    assert all(store.ring.state(s) == SlotState.READY for s in range(store.ring.n_slots))  # not pinned
+    out = run(engine)
+    assert all(torch.equal(a, b) for a, b in zip(out, run(Engine.open(model_dir, max_seq=64, preload=False))))
+    engine._sync_stats()
+    s = engine.stats
+    assert s.bytes_read == 0 and sum(s.misses.values()) == 0 and s.preload_bytes > 0
+    assert s.preload_bytes % engine.vault.header.record_bytes == 0
+
+
+def test_preload_skipped_when_the_vault_does_not_fit(model_dir):
+    rec = record_bytes(model_dir)
+    engine = Engine.open(model_dir, ram_budget=5 * rec, max_seq=64)
+    assert engine.store.preload() == 0 and not engine.store._reading
+    assert len(run(engine)) == STEPS + 1
+
+
+def test_a_record_preload_could_not_read_is_reported_when_a_layer_needs_it(model_dir, tmp_path):
+    """A corrupt record: its background read fails quietly; the layer that needs it reads it again and
+    gets the VaultError, as without preload."""
+    import shutil
+    d = tmp_path / "bad"
+    shutil.copytree(model_dir, d)
+    entry = Engine.open(d, max_seq=64, preload=False).vault.entry(1, 3)
+    flip_byte(d / "experts.vault", entry.offset + 777)
+    engine = Engine.open(d, ram_budget=1 << 30, max_seq=64)
+    wait_for_preload(engine.store)
+    bad = None
+    for start in range(0, 300, 7):  # find a prompt that routes to expert 3 of layer 1
+        try:
+            engine.logits([start % 320, (start * 3) % 320, (start * 5) % 320])
+        except VaultError as e:
+            bad = e
+            break
+    assert bad is not None and (bad.layer, bad.expert) == (1, 3)
+    assert (1, 3) not in engine.store.policy.where

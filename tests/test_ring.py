@@ -50,6 +50,25 @@ def test_reads_land_in_their_slots_checked(records_file, io):
     ring.close()
 
 
+@pytest.mark.parametrize("io_threads", [1, 3])
+def test_background_reads_land_ready_beside_demand_reads(records_file, io_threads):
+    """Background reads (preload) are checked like any read and leave their slots READY (not pinned);
+    a demand read queued among them lands IN_USE."""
+    path, records = records_file
+    ring = Ring(path, 6, LAYOUT.record_bytes, "buffered", io_threads=io_threads)
+    for slot in range(5):
+        index = slot % 3
+        ring.submit(slot, index * LAYOUT.record_bytes, records[index].size, zlib.crc32(records[index]),
+                    background=True)
+    assert load(ring, 5, 1, records) == SlotState.IN_USE
+    assert [ring.wait(s) for s in range(5)] == [SlotState.READY] * 5
+    assert all(np.array_equal(ring.view(s), records[s % 3]) for s in range(5))
+    ring.set_state(0, SlotState.READY)
+    ring.submit(0, 0, records[0].size, zlib.crc32(records[0]) ^ 1, background=True)
+    assert ring.wait(0) == SlotState.FAILED and ring.failure(0)[1]
+    ring.close()
+
+
 def test_a_busy_slot_refuses_a_second_read(records_file):
     path, records = records_file
     ring = Ring(path, 1, LAYOUT.record_bytes, "buffered")

@@ -58,9 +58,13 @@ class Ring:
     def set_state(self, slot: int, state: SlotState) -> None:
         self.native.set_state(slot, int(state))
 
-    def submit(self, slot: int, offset: int, length: int, crc32: int) -> None:
-        """Start reading a record into slot (LOADING, then IN_USE once its CRC-32 checks, or FAILED)."""
-        self.native.submit(slot, offset, length, crc32)
+    def submit(self, slot: int, offset: int, length: int, crc32: int, background: bool = False) -> None:
+        """Start reading a record into slot (LOADING, then IN_USE once its CRC-32 checks, or FAILED).
+
+        background: a fill ahead of need. It waits while any demand read is queued, takes at most all but
+        one I/O thread, and leaves the slot READY.
+        """
+        self.native.submit(slot, offset, length, crc32, background)
 
     def wait(self, slot: int) -> SlotState:
         return SlotState(self.native.wait(slot))

@@ -4,6 +4,10 @@
 once, all of them concurrently on the ring's I/O threads, as soon as the router has named them. The
 native kernel then runs each expert the moment its record has arrived (and passed its CRC-32 check);
 `finish` turns a failed read into a VaultError and empties that slot, so nothing computes on it.
+
+When the ring can hold every record, `preload` reads them all in the background (behind any read a
+layer is waiting for), so a model that fits in RAM soon runs with no reads at all, as a memory-mapped
+engine does once its pages are in.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ IO_THREADS = 4  # reads in flight at once; more did not help on this machine's d
 
 @dataclass
 class IOCounters:
-    bytes_read: int = 0
+    bytes_read: int = 0  # by the layers' own reads
     reads: int = 0
+    preload_bytes: int = 0  # by preload's background reads, counted as layers first use them
     io_s: float = 0.0  # time the kernel stood waiting for records (reads overlapped with compute excluded)
 
 
@@ -34,7 +39,8 @@ class ExpertStore:
         self.policy = LRUPolicy(n_slots)
         self.io = IOCounters()
         self._pinned: set[int] = set()
-        self._reading: dict[int, tuple[int, int]] = {}  # slot -> key, reads started by acquire
+        # slot -> (key, whether preload started it): reads not yet accounted by finish
+        self._reading: dict[int, tuple[tuple[int, int], bool]] = {}
 
     def acquire(self, layer: int, experts: list[int]) -> list[int]:
         """Slots for the records of `experts` (in that order), pinned; missing ones are being read."""
@@ -44,15 +50,37 @@ class ExpertStore:
             slot = self.policy.lookup(key)
             if slot is None:
                 slot = self.policy.place(key, self._pinned)
-                entry = self.vault.entry(layer, e)
-                self.ring.submit(slot, entry.offset, entry.length, entry.crc32)
-                self._reading[slot] = key
-                self.io.reads += 1
+                self._submit(slot, key)
+            elif slot in self._reading:  # a preload read: in flight or arrived, not yet accounted
+                if self.ring.state(slot) == SlotState.FAILED:  # read it again, now as a layer's own read
+                    self._submit(slot, key)
             else:
                 self.ring.set_state(slot, SlotState.IN_USE)
             self._pinned.add(slot)
             slots.append(slot)
         return slots
+
+    def _submit(self, slot: int, key: tuple[int, int], background: bool = False) -> None:
+        entry = self.vault.entry(*key)
+        self.ring.submit(slot, entry.offset, entry.length, entry.crc32, background)
+        self._reading[slot] = (key, background)
+        self.io.reads += 1
+
+    def preload(self) -> int:
+        """If the ring can hold every record, start background reads of all it lacks, in file order (the
+        layer's own reads still come first); returns how many were started (0 when the vault does not fit).
+        A preloaded record is checked like any other: a failed read is retried when a layer asks for it."""
+        keys = sorted(self.vault.entries, key=lambda k: self.vault.entries[k].offset)
+        if len(keys) > self.ring.n_slots:
+            return 0
+        started = 0
+        for key in keys:
+            if key in self.policy.where:
+                continue
+            slot = self.policy.place(key, self._pinned)  # a free slot: the ring holds them all
+            self._submit(slot, key, background=True)
+            started += 1
+        return started
 
     def wait(self, slots: list[int]) -> None:
         """Block until every slot's record has arrived; raise (after releasing them) if one failed."""
@@ -68,7 +96,7 @@ class ExpertStore:
         self.ring.announce_fallback()
         error = None
         for slot in slots:
-            key = self._reading.pop(slot, None)
+            key, background = self._reading.pop(slot, (None, False))
             if key is None:
                 continue
             if self.ring.state(slot) == SlotState.FAILED:
@@ -76,6 +104,8 @@ class ExpertStore:
                 self.policy.forget(key)  # its slot must not look valid to a later lookup
                 self._pinned.discard(slot)
                 error = error or self._read_error(key, *self.ring.failure(slot))
+            elif background:
+                self.io.preload_bytes += self.ring.slot_bytes
             else:
                 self.io.bytes_read += self.ring.slot_bytes
         if error is not None:

@@ -382,13 +382,13 @@ void init_io(nb::module_& m) {
             check(i < r.n_slots() && s >= 0 && s <= static_cast<int>(SlotState::Failed), "slot or state out of range");
             r.set_state(i, SlotState(s));
           })
-      .def("submit", [](ExpertRing& r, uint64_t i, uint64_t offset, uint64_t length, uint32_t crc) {
+      .def("submit", [](ExpertRing& r, uint64_t i, uint64_t offset, uint64_t length, uint32_t crc, bool background) {
             try {
-              r.submit(i, offset, length, crc);
+              r.submit(i, offset, length, crc, background);
             } catch (const std::exception& e) {
               throw nb::value_error(e.what());
             }
-          })
+          }, nb::arg("slot"), nb::arg("offset"), nb::arg("length"), nb::arg("crc"), nb::arg("background") = false)
       .def("wait", [](const ExpertRing& r, uint64_t i) {
             check(i < r.n_slots(), "slot out of range");
             nb::gil_scoped_release release;

@@ -14,7 +14,10 @@ namespace mosaic {
 
 ExpertRing::ExpertRing(int direct_fd, int buffered_fd, uint64_t n_slots, uint64_t slot_bytes, int io_threads)
     : direct_fd_(direct_fd), buffered_fd_(buffered_fd), n_slots_(n_slots), slot_bytes_(slot_bytes),
-      states_(new std::atomic<int32_t>[n_slots]), failures_(new ReadFailure[n_slots]), queue_(n_slots) {
+      states_(new std::atomic<int32_t>[n_slots]), failures_(new ReadFailure[n_slots]) {
+  demand_.items.resize(n_slots);
+  background_.items.resize(n_slots);
+  background_limit_ = io_threads > 1 ? io_threads - 1 : 1;
   if (n_slots == 0 || slot_bytes == 0 || slot_bytes % 4096 != 0)
     throw std::invalid_argument("ExpertRing: need at least one slot of a whole number of 4 KiB pages");
   // Anonymous mmap: page-aligned (Direct I/O needs it), allocated once for the ring's life.
@@ -50,7 +53,7 @@ void ExpertRing::shutdown() {
   direct_fd_ = buffered_fd_ = -1;
 }
 
-void ExpertRing::submit(uint64_t i, uint64_t offset, uint64_t length, uint32_t crc) {
+void ExpertRing::submit(uint64_t i, uint64_t offset, uint64_t length, uint32_t crc, bool background) {
   if (i >= n_slots_ || length > slot_bytes_) throw std::out_of_range("ExpertRing::submit: slot or length out of range");
   if (stop_) throw std::logic_error("ExpertRing::submit: the ring is shut down");
   const SlotState s = state(i);
@@ -59,7 +62,7 @@ void ExpertRing::submit(uint64_t i, uint64_t offset, uint64_t length, uint32_t c
   set_state(i, SlotState::Loading);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    queue_[(head_ + count_++) % n_slots_] = {i, offset, length, crc};
+    (background ? background_ : demand_).push({i, offset, length, crc});
   }
   work_cv_.notify_one();
 }
@@ -93,21 +96,26 @@ bool ExpertRing::read_all(const Request& r, ReadFailure& f) {
 void ExpertRing::worker() {
   for (;;) {
     Request r;
+    bool background = false;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      work_cv_.wait(lock, [this] { return stop_ || count_ > 0; });
+      work_cv_.wait(lock, [this] {
+        return stop_ || demand_.count > 0 || (background_.count > 0 && background_active_ < background_limit_);
+      });
       if (stop_) return;
-      r = queue_[head_];
-      head_ = (head_ + 1) % n_slots_;
-      --count_;
+      background = demand_.count == 0;
+      r = background ? background_.pop() : demand_.pop();
+      background_active_ += background;
     }
     const bool ok = read_all(r, failures_[r.slot]);
     if (ok) bytes_read_.fetch_add(r.length);
-    set_state(r.slot, ok ? SlotState::InUse : SlotState::Failed);
+    set_state(r.slot, !ok ? SlotState::Failed : background ? SlotState::Ready : SlotState::InUse);
     {
       std::lock_guard<std::mutex> lock(mu_);
       epoch_.fetch_add(1, std::memory_order_acq_rel);
+      background_active_ -= background;
     }
+    if (background) work_cv_.notify_one();  // a background thread's place is free again
     done_cv_.notify_all();
   }
 }

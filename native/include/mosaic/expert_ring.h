@@ -49,8 +49,10 @@ class ExpertRing final : public Arrivals {
   void set_state(uint64_t i, SlotState s) { states_[i].store(static_cast<int32_t>(s), std::memory_order_release); }
 
   // Queue a read of [offset, offset + length) into slot i; the slot becomes Loading, then InUse (or Failed).
-  // At most one read per slot is outstanding, so the queue (n_slots entries) never grows.
-  void submit(uint64_t i, uint64_t offset, uint64_t length, uint32_t crc);
+  // At most one read per slot is outstanding, so each queue (n_slots entries) never grows.
+  // A background read (a fill of the ring ahead of need) waits while any demand read is queued, takes at
+  // most io_threads - 1 threads (one is always free for demand), and leaves the slot Ready, not InUse.
+  void submit(uint64_t i, uint64_t offset, uint64_t length, uint32_t crc, bool background = false);
   SlotState wait(uint64_t i) const;  // block while slot i is Loading
   ReadFailure failure(uint64_t i) const { return failures_[i]; }
 
@@ -65,6 +67,17 @@ class ExpertRing final : public Arrivals {
 
  private:
   struct Request { uint64_t slot, offset, length; uint32_t crc; };
+  struct Queue {  // circular, n_slots entries, allocated once
+    std::vector<Request> items;
+    uint64_t head = 0, count = 0;
+    void push(const Request& r) { items[(head + count++) % items.size()] = r; }
+    Request pop() {
+      const Request r = items[head];
+      head = (head + 1) % items.size();
+      --count;
+      return r;
+    }
+  };
   void worker();
   bool read_all(const Request& r, ReadFailure& f);
 
@@ -73,8 +86,8 @@ class ExpertRing final : public Arrivals {
   uint8_t* memory_ = nullptr;
   std::unique_ptr<std::atomic<int32_t>[]> states_;
   std::unique_ptr<ReadFailure[]> failures_;
-  std::vector<Request> queue_;  // circular, n_slots entries, allocated here once
-  uint64_t head_ = 0, count_ = 0;
+  Queue demand_, background_;
+  int background_limit_ = 1, background_active_ = 0;
   bool stop_ = false;
   std::atomic<bool> fell_back_{false};
   std::atomic<uint64_t> bytes_read_{0};
