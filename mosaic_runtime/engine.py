@@ -136,7 +136,7 @@ class Engine:
             kv_dtype: "float32" (default, exact) or "bfloat16": keys and values rounded to bf16 as they are
                 cached, half the KV memory (long contexts; logits move by the rounding).
             preload: when the ring can hold every record, read them all in the background from the start
-                (behind any read a layer waits for), so a model that fits in RAM soon runs with no reads.
+                (one at a time, while no layer is reading), so a model that fits in RAM soon runs with no reads.
                 It changes no result, only when records arrive.
             verbose: print notices (such as a Direct-I/O fallback) to stderr.
         Raises:
@@ -180,8 +180,6 @@ class Engine:
                 arch["num_hidden_layers"], max_seq, arch["num_key_value_heads"], arch["head_dim"],
                 kv_torch_dtype.itemsize)
             store = ExpertStore(vault, ring_slots(vault, ram_budget, resident), io or DEFAULT_IO, notice=notice)
-            if preload:
-                store.preload()
             experts = NativeExperts(store, threads, isa)
         else:
             raise ValueError(f"kernel must be 'native', 'native-int8' or 'torch', not {kernel!r}")
@@ -194,6 +192,8 @@ class Engine:
         with torch.device(dev) if on_cuda else contextlib.nullcontext():
             model = MODELS[model_type](vault.arch, weights, experts, max_seq, kv_dtype=kv_torch_dtype)
         engine = cls(directory, vault, store, model, None, dev if on_cuda else None)
+        if store is not None and preload:  # after the backbone has loaded: not competing with its read
+            store.preload()
         if (directory / "tokenizer.json").is_file():
             engine.codec = TextCodec(directory)
         return engine

@@ -69,6 +69,25 @@ def test_background_reads_land_ready_beside_demand_reads(records_file, io_thread
     ring.close()
 
 
+def test_an_expedited_background_read_is_read_once(records_file):
+    """expedite queues a background read again as demand; whichever copy a thread takes first is the one
+    read, the other is skipped: each record lands once, checked, in its slot."""
+    path, records = records_file
+    ring = Ring(path, 5, LAYOUT.record_bytes, "buffered", io_threads=1)
+    for slot in range(5):
+        index = slot % 3
+        ring.submit(slot, index * LAYOUT.record_bytes, records[index].size, zlib.crc32(records[index]),
+                    background=True)
+    expedited = [ring.expedite(slot) for slot in range(5)]
+    states = [ring.wait(s) for s in range(5)]
+    for slot, (fast, state) in enumerate(zip(expedited, states)):
+        assert state == (SlotState.IN_USE if fast else SlotState.READY)  # demand reads land IN_USE
+        assert np.array_equal(ring.view(slot), records[slot % 3])
+    assert ring.native.bytes_read == sum(records[s % 3].size for s in range(5))  # no record read twice
+    assert not any(ring.expedite(slot) for slot in range(5))  # all read: nothing left to move
+    ring.close()
+
+
 def test_a_busy_slot_refuses_a_second_read(records_file):
     path, records = records_file
     ring = Ring(path, 1, LAYOUT.record_bytes, "buffered")

@@ -61,10 +61,14 @@ class Ring:
     def submit(self, slot: int, offset: int, length: int, crc32: int, background: bool = False) -> None:
         """Start reading a record into slot (LOADING, then IN_USE once its CRC-32 checks, or FAILED).
 
-        background: a fill ahead of need. It waits while any demand read is queued, takes at most all but
-        one I/O thread, and leaves the slot READY.
+        background: a fill ahead of need. It starts only while no other read is queued or in progress
+        (one at a time), and leaves the slot READY.
         """
         self.native.submit(slot, offset, length, crc32, background)
+
+    def expedite(self, slot: int) -> bool:
+        """Move slot's background read, if it has not started, ahead as a demand read."""
+        return self.native.expedite(slot)
 
     def wait(self, slot: int) -> SlotState:
         return SlotState(self.native.wait(slot))

@@ -5,8 +5,8 @@ once, all of them concurrently on the ring's I/O threads, as soon as the router 
 native kernel then runs each expert the moment its record has arrived (and passed its CRC-32 check);
 `finish` turns a failed read into a VaultError and empties that slot, so nothing computes on it.
 
-When the ring can hold every record, `preload` reads them all in the background (behind any read a
-layer is waiting for), so a model that fits in RAM soon runs with no reads at all, as a memory-mapped
+When the ring can hold every record, `preload` reads them all in the background (one at a time, only
+while no layer's read is queued or in progress), so a model that fits in RAM soon runs with no reads at all, as a memory-mapped
 engine does once its pages are in.
 """
 
@@ -51,8 +51,11 @@ class ExpertStore:
             if slot is None:
                 slot = self.policy.place(key, self._pinned)
                 self._submit(slot, key)
-            elif slot in self._reading:  # a preload read: in flight or arrived, not yet accounted
-                if self.ring.state(slot) == SlotState.FAILED:  # read it again, now as a layer's own read
+            elif slot in self._reading:  # a preload read: queued, in flight or arrived, not yet accounted
+                state = self.ring.state(slot)
+                if state == SlotState.LOADING:
+                    self.ring.expedite(slot)  # needed now: ahead of the rest of the fill
+                elif state == SlotState.FAILED:  # read it again, now as a layer's own read
                     self._submit(slot, key)
             else:
                 self.ring.set_state(slot, SlotState.IN_USE)

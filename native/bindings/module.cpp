@@ -389,6 +389,10 @@ void init_io(nb::module_& m) {
               throw nb::value_error(e.what());
             }
           }, nb::arg("slot"), nb::arg("offset"), nb::arg("length"), nb::arg("crc"), nb::arg("background") = false)
+      .def("expedite", [](ExpertRing& r, uint64_t i) {
+            check(i < r.n_slots(), "slot out of range");
+            return r.expedite(i);
+          })
       .def("wait", [](const ExpertRing& r, uint64_t i) {
             check(i < r.n_slots(), "slot out of range");
             nb::gil_scoped_release release;

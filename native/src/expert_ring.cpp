@@ -17,7 +17,8 @@ ExpertRing::ExpertRing(int direct_fd, int buffered_fd, uint64_t n_slots, uint64_
       states_(new std::atomic<int32_t>[n_slots]), failures_(new ReadFailure[n_slots]) {
   demand_.items.resize(n_slots);
   background_.items.resize(n_slots);
-  background_limit_ = io_threads > 1 ? io_threads - 1 : 1;
+  latest_.assign(n_slots, Request{0, 0, 0, 0, 0});
+  taken_.assign(n_slots, true);
   if (n_slots == 0 || slot_bytes == 0 || slot_bytes % 4096 != 0)
     throw std::invalid_argument("ExpertRing: need at least one slot of a whole number of 4 KiB pages");
   // Anonymous mmap: page-aligned (Direct I/O needs it), allocated once for the ring's life.
@@ -62,9 +63,24 @@ void ExpertRing::submit(uint64_t i, uint64_t offset, uint64_t length, uint32_t c
   set_state(i, SlotState::Loading);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    (background ? background_ : demand_).push({i, offset, length, crc});
+    latest_[i] = {i, offset, length, crc, latest_[i].generation + 1};
+    taken_[i] = false;
+    (background ? background_ : demand_).push(latest_[i]);
   }
   work_cv_.notify_one();
+}
+
+bool ExpertRing::expedite(uint64_t i) {
+  if (i >= n_slots_) throw std::out_of_range("ExpertRing::expedite: slot out of range");
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Taken (being read or done) or already queued as demand: nothing to do. A slot has at most one
+    // request in each queue, so the demand queue still never holds more than n_slots.
+    if (taken_[i] || state(i) != SlotState::Loading || demand_.count == demand_.items.size()) return false;
+    demand_.push(latest_[i]);
+  }
+  work_cv_.notify_one();
+  return true;
 }
 
 bool ExpertRing::read_all(const Request& r, ReadFailure& f) {
@@ -100,12 +116,15 @@ void ExpertRing::worker() {
     {
       std::unique_lock<std::mutex> lock(mu_);
       work_cv_.wait(lock, [this] {
-        return stop_ || demand_.count > 0 || (background_.count > 0 && background_active_ < background_limit_);
+        return stop_ || demand_.count > 0 ||
+               (background_.count > 0 && demand_active_ == 0 && background_active_ == 0);
       });
       if (stop_) return;
       background = demand_.count == 0;
       r = background ? background_.pop() : demand_.pop();
-      background_active_ += background;
+      if (taken_[r.slot] || r.generation != latest_[r.slot].generation) continue;  // read already, or stale
+      taken_[r.slot] = true;
+      ++(background ? background_active_ : demand_active_);
     }
     const bool ok = read_all(r, failures_[r.slot]);
     if (ok) bytes_read_.fetch_add(r.length);
@@ -113,9 +132,9 @@ void ExpertRing::worker() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       epoch_.fetch_add(1, std::memory_order_acq_rel);
-      background_active_ -= background;
+      --(background ? background_active_ : demand_active_);
     }
-    if (background) work_cv_.notify_one();  // a background thread's place is free again
+    work_cv_.notify_one();  // a background read may start now
     done_cv_.notify_all();
   }
 }

@@ -50,9 +50,13 @@ class ExpertRing final : public Arrivals {
 
   // Queue a read of [offset, offset + length) into slot i; the slot becomes Loading, then InUse (or Failed).
   // At most one read per slot is outstanding, so each queue (n_slots entries) never grows.
-  // A background read (a fill of the ring ahead of need) waits while any demand read is queued, takes at
-  // most io_threads - 1 threads (one is always free for demand), and leaves the slot Ready, not InUse.
+  // A background read (a fill of the ring ahead of need) starts only while no demand read is queued or in
+  // progress, one at a time, and leaves the slot Ready, not InUse: it never delays a layer by more than
+  // the one read it may have in flight.
   void submit(uint64_t i, uint64_t offset, uint64_t length, uint32_t crc, bool background = false);
+  // A layer needs slot i's background read now: if it has not started, it joins the demand reads (its
+  // place in the background queue is then skipped). Returns whether it did.
+  bool expedite(uint64_t i);
   SlotState wait(uint64_t i) const;  // block while slot i is Loading
   ReadFailure failure(uint64_t i) const { return failures_[i]; }
 
@@ -66,7 +70,7 @@ class ExpertRing final : public Arrivals {
   void wait_past(uint64_t epoch) const override;
 
  private:
-  struct Request { uint64_t slot, offset, length; uint32_t crc; };
+  struct Request { uint64_t slot, offset, length; uint32_t crc; uint64_t generation; };
   struct Queue {  // circular, n_slots entries, allocated once
     std::vector<Request> items;
     uint64_t head = 0, count = 0;
@@ -87,7 +91,11 @@ class ExpertRing final : public Arrivals {
   std::unique_ptr<std::atomic<int32_t>[]> states_;
   std::unique_ptr<ReadFailure[]> failures_;
   Queue demand_, background_;
-  int background_limit_ = 1, background_active_ = 0;
+  // Per slot, under mu_: the latest request (a request of an older generation is stale) and whether a
+  // worker has taken it, so a request queued twice (expedite) is read once.
+  std::vector<Request> latest_;
+  std::vector<bool> taken_;
+  int demand_active_ = 0, background_active_ = 0;
   bool stop_ = false;
   std::atomic<bool> fell_back_{false};
   std::atomic<uint64_t> bytes_read_{0};
