@@ -198,6 +198,12 @@ class Engine:
             engine.codec = TextCodec(directory)
         return engine
 
+    def finish_preload(self) -> None:
+        """Block until the preload (Engine.open(preload=True)) has read every record, at full speed from
+        here: afterwards no layer waits for a read. Does nothing when the vault did not fit the ring."""
+        if self.store is not None:
+            self.store.finish_preload()
+
     def _forward(self, ids, start: int) -> torch.Tensor:
         """The model's float32 logits [T, V] on the CPU; on CUDA the step's own tensors are made there."""
         with torch.device(self.device) if self.device is not None else contextlib.nullcontext():

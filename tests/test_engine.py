@@ -215,12 +215,17 @@ def wait_for_preload(store):
         store.ring.wait(slot)
 
 
-def test_preload_fills_the_ring_and_changes_no_bit(model_dir):
-    """A vault that fits: every record is read in the background at open, so the layers read nothing."""
+@pytest.mark.parametrize("finish", [False, True])
+def test_preload_fills_the_ring_and_changes_no_bit(model_dir, finish):
+    """A vault that fits: every record is read in the background at open (or at once, finish_preload),
+    so the layers read nothing."""
     engine = Engine.open(model_dir, ram_budget=1 << 30, max_seq=64)
     store = engine.store
     assert len(store._reading) == len(engine.vault.entries) == store.ring.n_slots
-    wait_for_preload(store)
+    if finish:
+        engine.finish_preload()
+    else:
+        wait_for_preload(store)
     from mosaic_runtime.cache.ring import SlotState
     assert all(store.ring.state(s) == SlotState.READY for s in range(store.ring.n_slots))  # not pinned
     out = run(engine)

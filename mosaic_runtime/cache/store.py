@@ -85,6 +85,17 @@ class ExpertStore:
             started += 1
         return started
 
+    def finish_preload(self) -> None:
+        """Block until preload has read every record: what it has not started goes ahead as demand reads
+        (every I/O thread), then all are waited for. Failures stay for the layers to report."""
+        background = [slot for slot, (_, bg) in self._reading.items() if bg]
+        for slot in background:
+            self.ring.expedite(slot)
+        for slot in background:
+            # an expedited read lands IN_USE (a demand read's state); unpinned, it is READY
+            if self.ring.wait(slot) == SlotState.IN_USE and slot not in self._pinned:
+                self.ring.set_state(slot, SlotState.READY)
+
     def wait(self, slots: list[int]) -> None:
         """Block until every slot's record has arrived; raise (after releasing them) if one failed."""
         t = time.perf_counter()
