@@ -8,7 +8,8 @@ Model: random weights with Qwen3.5-35B-A3B's per-layer geometry (hidden 2048; Ga
 attention), and fewer routed experts per layer than the real 256 (the cost per token depends on top-k,
 not on the expert count). Vocabulary 8192. Q4 vault, all experts in the ring.
 
-Decode: 16 tokens after the context, the median step time. The context is prefilled for real up to
+Decode: one engine per length holds its context; their decode steps are interleaved one by one (--steps
+per length, medians), so the machine's drift falls on every length alike. The context is prefilled for real up to
 --prefill-max tokens (prefill tok/s reported); beyond it the KV cache and the DeltaNet states are filled
 with random values of the right size instead, since a decode step's cost depends on how much it reads,
 not on what. Memory: the KV pages in use and the DeltaNet states.
@@ -75,45 +76,50 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--prefill-max", type=int, default=8_192)
-    ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=2, help="passes over the lengths, interleaved; medians reported")
+    ap.add_argument("--steps", type=int, default=48, help="decode steps timed per length")
     ap.add_argument("--kv", default="float32", choices=["float32", "bfloat16"], help="the KV cache's dtype")
     args = ap.parse_args()
     vault = build(ROOT / "bench-data", args.layers, args.experts)
-    engine = Engine.open(vault, max_seq=max(LENGTHS) + args.steps + 1, kv_dtype=args.kv)
     gen = torch.Generator().manual_seed(0)
-    state_bytes = engine.model.kv.state_bytes
-    kv = engine.model.kv.kv
-    page_bytes = 2 * kv.k.shape[0] * kv.k.shape[1] * kv.k[0, 0, 0].numel() * kv.k.element_size()
-    def decode(length: int) -> tuple[float, float | None, int]:
-        prefill = fill(engine, length, args.prefill_max, gen)
-        token, times = torch.tensor([1]), []
-        for _ in range(args.steps):
-            t = time.perf_counter()
-            logits = engine.model.forward(token, engine.model.kv.length)
-            times.append(time.perf_counter() - t)
-            token = logits[-1:].argmax(-1)
-        return statistics.median(times), prefill, kv.pages_in_use * page_bytes
+    # One engine per length, each holding its context, so the lengths' decode steps can be interleaved one
+    # by one: this VM's bandwidth drifts by a third within a minute, which would otherwise land on whichever
+    # length ran at the time. The KV pools are mapped lazily, so the short contexts cost little memory.
+    engines, prefills = {}, {}
+    for length in LENGTHS:
+        engine = Engine.open(vault, max_seq=max(LENGTHS) + args.steps + 8, kv_dtype=args.kv)
+        engine.finish_preload()
+        prefills[length] = fill(engine, length, args.prefill_max, gen)
+        engines[length] = engine
+    tokens = {length: torch.tensor([1]) for length in LENGTHS}
 
-    decode(LENGTHS[0])  # warm-up: first reads of the experts, first touch of the KV pages
-    runs: dict[int, list[tuple[float, float | None, int]]] = {n: [] for n in LENGTHS}
-    for _ in range(args.rounds):  # interleaved: this machine drifts by a third between runs
+    def step(length: int) -> float:
+        model = engines[length].model
+        t = time.perf_counter()
+        logits = model.forward(tokens[length], model.kv.length)
+        elapsed = time.perf_counter() - t
+        tokens[length] = logits[-1:].argmax(-1)
+        return elapsed
+
+    for length in LENGTHS:  # warm-up: first touch of the experts' records and the KV pages
+        step(length)
+    times: dict[int, list[float]] = {n: [] for n in LENGTHS}
+    for _ in range(args.steps):
         for length in LENGTHS:
-            runs[length].append(decode(length))
-    rows = []
-    for length, rs in runs.items():
-        prefills = [r[1] for r in rs if r[1] is not None]
-        rows.append((length, 1 / statistics.median(r[0] for r in rs),
-                     statistics.median(prefills) if prefills else None, rs[-1][2]))
-    base = rows[0][1]
-    print(f"{args.layers} layers ({engine.arch['layer_types'].count('linear_attention')} DeltaNet, "
-          f"{engine.arch['layer_types'].count('full_attention')} full attention), {args.experts} experts, "
-          f"KV cache {args.kv}, DeltaNet state {state_bytes / 2**20:.1f} MiB (constant), "
-          f"{args.rounds} interleaved rounds\n")
+            times[length].append(step(length))
+    base = 1 / statistics.median(times[LENGTHS[0]])
+    some = engines[LENGTHS[0]]
+    kv = some.model.kv.kv
+    page_bytes = 2 * kv.k.shape[0] * kv.k.shape[1] * kv.k[0, 0, 0].numel() * kv.k.element_size()
+    print(f"{args.layers} layers ({some.arch['layer_types'].count('linear_attention')} DeltaNet, "
+          f"{some.arch['layer_types'].count('full_attention')} full attention), {args.experts} experts, "
+          f"KV cache {args.kv}, DeltaNet state {some.model.kv.state_bytes / 2**20:.1f} MiB (constant), "
+          f"{args.steps} steps per length, interleaved one by one\n")
     print("| context tokens | decode tok/s | vs 100 tokens | prefill tok/s | KV cache in use |")
     print("|---|---|---|---|---|")
-    for length, tps, prefill, kv_bytes in rows:
-        pf = f"{prefill:.1f}" if prefill else "(filled, not timed)"
+    for length in LENGTHS:
+        tps = 1 / statistics.median(times[length])
+        pf = f"{prefills[length]:.1f}" if prefills[length] else "(filled, not timed)"
+        kv_bytes = engines[length].model.kv.kv.pages_in_use * page_bytes
         print(f"| {length:,} | {tps:.2f} | {tps / base:.2f} | {pf} | {kv_bytes / 2**20:.1f} MiB |")
 
 
