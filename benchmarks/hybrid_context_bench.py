@@ -77,7 +77,7 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--prefill-max", type=int, default=8_192)
     ap.add_argument("--steps", type=int, default=48, help="decode steps timed per length")
-    ap.add_argument("--kv", default="float32", choices=["float32", "bfloat16"], help="the KV cache's dtype")
+    ap.add_argument("--kv", default="float32", choices=["float32", "bfloat16", "int8"], help="the KV cache's dtype")
     args = ap.parse_args()
     vault = build(ROOT / "bench-data", args.layers, args.experts)
     gen = torch.Generator().manual_seed(0)
@@ -108,8 +108,7 @@ def main() -> None:
             times[length].append(step(length))
     base = 1 / statistics.median(times[LENGTHS[0]])
     some = engines[LENGTHS[0]]
-    kv = some.model.kv.kv
-    page_bytes = 2 * kv.k.shape[0] * kv.k.shape[1] * kv.k[0, 0, 0].numel() * kv.k.element_size()
+    page_bytes = some.model.kv.kv.page_bytes
     print(f"{args.layers} layers ({some.arch['layer_types'].count('linear_attention')} DeltaNet, "
           f"{some.arch['layer_types'].count('full_attention')} full attention), {args.experts} experts, "
           f"KV cache {args.kv}, DeltaNet state {some.model.kv.state_bytes / 2**20:.1f} MiB (constant), "

@@ -28,7 +28,7 @@ from .vault.format import BACKBONE_FILE
 
 
 DEFAULT_IO = "buffered"  # chosen by benchmarks/reader_bench.py: see benchmarks/RESULTS.md
-KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 DEFAULT_TIER_POLICY = "decayed-frequency"  # chosen by benchmarks/routing_bench.py: see benchmarks/RESULTS.md
 MARGIN_BYTES = 1 << 30  # left to the OS, Python and torch when sizing the ring from available memory
 
@@ -133,8 +133,9 @@ class Engine:
             vram_budget: bytes for the device expert cache; default on CUDA: free VRAM minus the backbone,
                 the KV cache and a margin (tier/cost.py::device_expert_budget).
             tier_policy: "decayed-frequency" (default) or "hit-threshold" (the seed's 3-hit rule).
-            kv_dtype: "float32" (default, exact) or "bfloat16": keys and values rounded to bf16 as they are
-                cached, half the KV memory (long contexts; logits move by the rounding).
+            kv_dtype: "float32" (default, exact), "bfloat16" (keys and values rounded to bf16 as they are
+                cached: half the KV memory) or "int8" (a code per value and a float32 scale per position and
+                KV head: about a quarter). For long contexts; logits move by the rounding.
             preload: when the ring can hold every record, read them all in the background from the start
                 (one at a time, while no layer is reading), so a model that fits in RAM soon runs with no reads.
                 It changes no result, only when records arrive.

@@ -4,17 +4,40 @@ reset, so a long conversation grows by pages and never by reallocation.
 
 A single sequence takes free pages lowest first, so its pages are normally one ascending run and the
 attention reads them as a view; any other order is gathered (a copy) before attention.
+
+The pool holds float32, bf16 or int8. An int8 cache keeps a float32 scale per (position, KV head) row
+beside it (symmetric: amax / 127, as llama.cpp's q8_0 KV cache does per 32 values), a quarter of float32's
+bytes; its keys and values come back as Int8Rows.
 """
 
 from __future__ import annotations
 
 import heapq
+from typing import NamedTuple
 
 import torch
 
 from .memory import zeroed_pool
 
 PAGE_TOKENS = 256
+
+
+class Int8Rows(NamedTuple):
+    """Keys or values of an int8 cache over positions 0..end-1: codes [Hkv, end, D], scales [Hkv, end]."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        return self.codes.float() * self.scales[..., None]
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Int8 codes and float32 scales of the rows of x [..., D]: code = round(x / scale), scale = amax / 127."""
+    x = x.float()
+    scales = x.abs().amax(-1) / 127.0
+    codes = torch.round(x / scales.clamp_min(1e-30)[..., None]).clamp(-127, 127).to(torch.int8)
+    return codes, scales
 
 
 class KVCache:
@@ -26,6 +49,9 @@ class KVCache:
         # them in place.
         shape = (num_layers, kv_heads, n_pages, page_tokens, head_dim)
         self.k, self.v = zeroed_pool(shape, dtype), zeroed_pool(shape, dtype)
+        self.quantized = dtype == torch.int8
+        if self.quantized:  # a scale per row, laid out as the rows are
+            self.k_scale, self.v_scale = zeroed_pool(shape[:4], torch.float32), zeroed_pool(shape[:4], torch.float32)
         self.free = list(range(n_pages))  # a heap: lowest page first
         self.pages: list[int] = []  # the sequence's page table: logical page -> pool page
         self.length = 0  # tokens already held
@@ -38,26 +64,37 @@ class KVCache:
             self.pages.append(heapq.heappop(self.free))
 
     def _span(self, pool: torch.Tensor, layer: int, end: int) -> torch.Tensor:
-        """Positions 0..end-1 of one layer as [Hkv, end, D]: a view when the pages are one ascending run."""
+        """Positions 0..end-1 of one layer as [Hkv, end, D] (a scale pool: [Hkv, end]): a view when the
+        pages are one ascending run."""
         n = -(-end // self.page_tokens)
         first, pages = self.pages[0], self.pages[:n]
-        heads, dim = pool.shape[1], pool.shape[4]
+        heads, row = pool.shape[1], pool.shape[4:]
         if pages == list(range(first, first + n)):
-            return pool[layer, :, first:first + n].reshape(heads, -1, dim)[:, :end]
-        return pool[layer][:, pages].reshape(heads, -1, dim)[:, :end]
+            return pool[layer, :, first:first + n].reshape(heads, -1, *row)[:, :end]
+        return pool[layer][:, pages].reshape(heads, -1, *row)[:, :end]
 
-    def store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
         """Write k, v [T, Hkv, D] at positions start..start+T-1; return the layer's keys and values for
-        positions 0..start+T-1, head-major: [Hkv, start+T, D]."""
+        positions 0..start+T-1, head-major: [Hkv, start+T, D] (an int8 cache: as Int8Rows)."""
         end = start + k.shape[0]
         self._reserve(end)
+        if self.quantized:
+            (k, k_scale), (v, v_scale) = quantize_rows(k), quantize_rows(v)
         pos = start
         while pos < end:  # page by page
             page, offset = divmod(pos, self.page_tokens)
             n = min(self.page_tokens - offset, end - pos)
-            self.k[layer, :, self.pages[page], offset:offset + n] = k[pos - start:pos - start + n].transpose(0, 1)
-            self.v[layer, :, self.pages[page], offset:offset + n] = v[pos - start:pos - start + n].transpose(0, 1)
+            rows = slice(pos - start, pos - start + n)
+            where = (layer, slice(None), self.pages[page], slice(offset, offset + n))
+            self.k[where] = k[rows].transpose(0, 1)
+            self.v[where] = v[rows].transpose(0, 1)
+            if self.quantized:
+                self.k_scale[where] = k_scale[rows].transpose(0, 1)
+                self.v_scale[where] = v_scale[rows].transpose(0, 1)
             pos += n
+        if self.quantized:
+            return (Int8Rows(self._span(self.k, layer, end), self._span(self.k_scale, layer, end)),
+                    Int8Rows(self._span(self.v, layer, end), self._span(self.v_scale, layer, end)))
         return self._span(self.k, layer, end), self._span(self.v, layer, end)
 
     def contiguous_run(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -86,8 +123,16 @@ class KVCache:
     def pages_in_use(self) -> int:
         return len(self.pages)
 
+    @property
+    def page_bytes(self) -> int:
+        """What one page holds over every layer: keys, values and (int8) their row scales."""
+        layers, heads, _, tokens, dim = self.k.shape
+        return self.bytes_for(layers, tokens, heads, dim, self.k.element_size(), page_tokens=tokens)
+
     @staticmethod
     def bytes_for(num_layers: int, max_seq: int, kv_heads: int, head_dim: int, itemsize: int = 4,
                   page_tokens: int = PAGE_TOKENS) -> int:
-        """What a pool of these dimensions holds (keys and values), before it is allocated."""
-        return 2 * num_layers * (-(-max_seq // page_tokens)) * page_tokens * kv_heads * head_dim * itemsize
+        """What a pool of these dimensions holds (keys and values; int8, itemsize 1: and their float32
+        row scales), before it is allocated."""
+        row = head_dim * itemsize + (4 if itemsize == 1 else 0)
+        return 2 * num_layers * (-(-max_seq // page_tokens)) * page_tokens * kv_heads * row

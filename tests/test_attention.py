@@ -8,7 +8,7 @@ import torch
 from builders import random_qwen3_moe
 from mosaic_runtime import _native
 from mosaic_runtime.engine import Engine
-from mosaic_runtime.kv_cache import KVCache
+from mosaic_runtime.kv_cache import Int8Rows, KVCache, quantize_rows
 from mosaic_runtime.models.base import cached_attention, torch_attention
 from mosaic_shatter.convert import convert
 
@@ -53,6 +53,39 @@ def test_decode_kernel_matches_torch(hq, hkv, d, length, dtype):
         assert all(np.array_equal(outs[i], o) for o in outs[i:i + per_isa])
 
 
+@pytest.mark.parametrize("hq,hkv,d,length", SHAPES)
+def test_int8_kernel_matches_torch_on_the_dequantized_cache(hq, hkv, d, length):
+    """An int8 cache (a code per value, a float32 scale per row): the kernel against torch_attention on
+    the same cache dequantized, every ISA and 1-3 threads, bit-equal across thread counts (head_dims that
+    are not a multiple of 32 take the scalar loop)."""
+    g = torch.Generator().manual_seed(hq * 1000 + length + 1)
+    q = torch.randn(1, hq, d, generator=g)
+    k = Int8Rows(*quantize_rows(torch.randn(hkv, length, d, generator=g) * 2))
+    v = Int8Rows(*quantize_rows(torch.randn(hkv, length, d, generator=g)))
+    assert k.codes.dtype == torch.int8 and k.scales.shape == (hkv, length)
+    ref = torch_attention(q, k.dequantize(), v.dequantize(), length - 1, d ** -0.5)
+    torch.testing.assert_close(cached_attention(q, k, v, length - 1, d ** -0.5), ref, atol=ATOL, rtol=1e-5)
+    for isa in isas():
+        outs = []
+        for threads in (1, 2, 3):
+            out = np.empty((hq, d), np.float32)
+            K.decode_attention_i8(isa, threads, q[0].contiguous().numpy(), k.codes.numpy(), v.codes.numpy(),
+                                  k.scales.numpy(), v.scales.numpy(), d ** -0.5, out)
+            torch.testing.assert_close(torch.from_numpy(out).view(1, -1), ref, atol=ATOL, rtol=1e-5)
+            outs.append(out)
+        assert all(np.array_equal(outs[0], o) for o in outs)
+
+
+def test_int8_rows_round_trip():
+    x = torch.randn(5, 3, 64) * torch.logspace(-3, 3, 5)[:, None, None]
+    codes, scales = quantize_rows(x)
+    assert codes.abs().max() <= 127 and (codes.abs().amax(-1) == 127).all()  # each row spans the codes
+    err = (Int8Rows(codes, scales).dequantize() - x).abs()
+    assert (err <= scales[..., None] / 2 + 1e-6 * x.abs()).all()  # within half a step of its row
+    zero_codes, zero_scales = quantize_rows(torch.zeros(2, 8))
+    assert not zero_codes.any() and not zero_scales.any()
+
+
 @pytest.mark.parametrize("rising", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_kernel_follows_a_moving_max(dtype, rising):
@@ -77,22 +110,30 @@ def test_decode_kernel_follows_a_moving_max(dtype, rising):
         torch.testing.assert_close(torch.from_numpy(out).view(1, -1), ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_decode_over_the_paged_cache(dtype):
     """Keys through KVCache pages (a strided view of the head-major pool) and after a page gap (a gathered
-    copy): the kernel reads what torch reads."""
+    copy): the kernel reads what torch reads. An int8 cache hands back codes and row scales."""
     cache = KVCache(num_layers=2, max_seq=1024, kv_heads=2, head_dim=64, dtype=dtype, page_tokens=256)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 8, 64, generator=g)
     k_new, v_new = torch.randn(700, 2, 64, generator=g), torch.randn(700, 2, 64, generator=g)
     k, v = cache.store(1, 0, k_new, v_new)
-    assert k.stride(0) > k.shape[1] * k.shape[2]  # a view into the pool, heads far apart
-    ref = torch_attention(q, k, v, 699, 0.125)
+    dense = (lambda x: x.dequantize()) if dtype == torch.int8 else (lambda x: x)
+    rows = k.codes if dtype == torch.int8 else k
+    assert rows.stride(0) > rows.shape[1] * rows.shape[2]  # a view into the pool, heads far apart
+    if dtype == torch.int8:  # what was stored, within half a step of each row's scale
+        assert ((dense(k) - k_new.transpose(0, 1)).abs() <= k.scales[..., None] / 2 + 1e-6).all()
+    ref = torch_attention(q, dense(k), dense(v), 699, 0.125)
     torch.testing.assert_close(cached_attention(q, k, v, 699, 0.125), ref, atol=ATOL, rtol=1e-5)
     cache.pages = [cache.pages[0], cache.pages[2], cache.pages[1]]  # out of order: gathered
-    k, v = cache._span(cache.k, 1, 700), cache._span(cache.v, 1, 700)
-    torch.testing.assert_close(cached_attention(q, k, v, 699, 0.125), torch_attention(q, k, v, 699, 0.125),
-                               atol=ATOL, rtol=1e-5)
+    if dtype == torch.int8:
+        k = Int8Rows(cache._span(cache.k, 1, 700), cache._span(cache.k_scale, 1, 700))
+        v = Int8Rows(cache._span(cache.v, 1, 700), cache._span(cache.v_scale, 1, 700))
+    else:
+        k, v = cache._span(cache.k, 1, 700), cache._span(cache.v, 1, 700)
+    torch.testing.assert_close(cached_attention(q, k, v, 699, 0.125),
+                               torch_attention(q, dense(k), dense(v), 699, 0.125), atol=ATOL, rtol=1e-5)
 
 
 def test_kernel_refuses_what_it_cannot_read():
@@ -108,20 +149,22 @@ def test_kernel_refuses_what_it_cannot_read():
                            1.0, out)
 
 
-def test_bf16_kv_cache_end_to_end(tmp_path):
-    """kv_dtype="bfloat16" halves the cache and moves logits by the rounding only: same greedy tokens on
-    this model, logits within 2e-2 of the float32 cache."""
+def test_reduced_kv_caches_end_to_end(tmp_path):
+    """kv_dtype="bfloat16" halves the cache, "int8" (row scales) quarters it; both move logits by the
+    rounding only: same greedy tokens on this model, logits within 2e-2 (bf16) and 4e-2 (int8) of the
+    float32 cache."""
     ckpt = random_qwen3_moe(tmp_path / "ckpt", seed=7, eos_token_id=None, num_experts=8, num_experts_per_tok=2,
                             num_hidden_layers=2)
     model = convert(str(ckpt), tmp_path / "q4", "q4", progress=False).out
     prompt = [3, 14, 15, 92, 65, 35, 89, 79]
     runs = {}
-    for kv_dtype in ("float32", "bfloat16"):
+    for kv_dtype in ("float32", "bfloat16", "int8"):
         with Engine.open(model, max_seq=64, kv_dtype=kv_dtype) as engine:
             assert engine.model.kv.k.dtype == getattr(torch, kv_dtype)
             tokens = list(engine.generate_ids(prompt, max_new_tokens=12))
             runs[kv_dtype] = tokens, engine.logits(prompt + tokens)
-    assert runs["float32"][0] == runs["bfloat16"][0]
-    torch.testing.assert_close(runs["bfloat16"][1], runs["float32"][1], atol=2e-2, rtol=0)
+    for reduced, atol in (("bfloat16", 2e-2), ("int8", 4e-2)):  # int8 rounds to 1/254 of a row's range
+        assert runs["float32"][0] == runs[reduced][0]
+        torch.testing.assert_close(runs[reduced][1], runs["float32"][1], atol=atol, rtol=0)
     with pytest.raises(ValueError, match="kv_dtype"):
         Engine.open(model, max_seq=64, kv_dtype="float16")

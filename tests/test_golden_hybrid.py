@@ -72,6 +72,20 @@ def test_decode_after_a_long_prefill_equals_a_full_forward(vaults):
     assert (torch.stack(steps) - full[150:]).abs().max() <= ATOL
 
 
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
+def test_reduced_kv_cache_keeps_the_greedy_tokens(vaults, kv_dtype):
+    """The hybrid's full-attention layers over a bf16 or int8 cache (decode through the native kernels):
+    the same greedy tokens as the float32 cache, logits within the rounding."""
+    out = vaults[("qwen3_next", "q4")][1]
+    runs = {}
+    for dtype in ("float32", kv_dtype):
+        engine = Engine.open(out, max_seq=128, kv_dtype=dtype)
+        tokens = list(engine.generate_ids(PROMPT, max_new_tokens=DECODE_STEPS))
+        runs[dtype] = tokens, engine.logits(PROMPT + tokens)
+    assert runs[kv_dtype][0] == runs["float32"][0]
+    torch.testing.assert_close(runs[kv_dtype][1], runs["float32"][1], atol=4e-2, rtol=0)
+
+
 @pytest.mark.parametrize("t", [1, 7, 64, 65, 150])
 def test_chunked_delta_rule_equals_the_recurrence(t):
     g = torch.Generator().manual_seed(t)

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _native
+from ..kv_cache import Int8Rows
 from ..ops import linear, threads
 
 _ISA = _native.kernels.best_isa()
@@ -71,9 +72,19 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     step (T == 1) on the CPU runs the native kernel (native/src/attention.cpp, each key and value read
     once for the query heads that share it); everything else, and the reference, is torch_attention."""
     end = start + q.shape[0]
+    if isinstance(k_cache, Int8Rows):  # an int8 cache: codes and a scale per row
+        k, v = Int8Rows(*(t[:, :end] for t in k_cache)), Int8Rows(*(t[:, :end] for t in v_cache))
+        if q.shape[0] == 1 and q.device.type == "cpu" and _rows_contiguous(k.codes, v.codes):
+            hq, d = q.shape[1], q.shape[2]
+            out = np.empty((hq, d), np.float32)
+            _native.kernels.decode_attention_i8(_ISA, threads(), q.reshape(hq, d).contiguous().numpy(),
+                                                k.codes.numpy(), v.codes.numpy(), k.scales.numpy(),
+                                                v.scales.numpy(), scale, out)
+            return torch.from_numpy(out).view(1, hq * d)
+        return torch_attention(q, k.dequantize(), v.dequantize(), start, scale)
     if q.shape[0] == 1 and q.device.type == "cpu" and k_cache.dtype in _DECODE_KERNELS:
         k, v = k_cache[:, :end], v_cache[:, :end]
-        if k.stride(2) == 1 and k.stride(1) == k.shape[2] and v.stride(2) == 1 and v.stride(1) == v.shape[2]:
+        if _rows_contiguous(k, v):
             hq, d = q.shape[1], q.shape[2]
             out = np.empty((hq, d), np.float32)
             qs = q.reshape(hq, d).contiguous().numpy()
@@ -82,6 +93,10 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             _DECODE_KERNELS[k_cache.dtype](_ISA, threads(), qs, k.numpy(), v.numpy(), scale, out)
             return torch.from_numpy(out).view(1, hq * d)
     return torch_attention(q, k_cache, v_cache, start, scale)
+
+
+def _rows_contiguous(k: torch.Tensor, v: torch.Tensor) -> bool:
+    return k.stride(2) == 1 and k.stride(1) == k.shape[2] and v.stride(2) == 1 and v.stride(1) == v.shape[2]
 
 
 def torch_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,

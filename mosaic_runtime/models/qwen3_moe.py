@@ -42,7 +42,7 @@ class Qwen3Moe:
             weights: backbone tensors by their checkpoint names.
             experts: runs the routed experts of a layer.
             max_seq: KV cache length, allocated here once.
-            kv_dtype: what the KV cache holds (float32, or bfloat16 for half the memory).
+            kv_dtype: what the KV cache holds (float32; bfloat16 or int8 with row scales, for less memory).
         """
         self.arch, self.experts, self.dtype = arch, experts, dtype
         self.heads, self.kv_heads, self.head_dim = arch["num_attention_heads"], arch["num_key_value_heads"], arch["head_dim"]

@@ -173,6 +173,28 @@ void init_kernels(nb::module_& m) {
                                              OutMatrix out) {
     attention(decode_attention_bf16, isa, threads, q, k, v, scale, out);
   });
+  using I8Cache = nb::ndarray<const int8_t, nb::ndim<3>, nb::device::cpu>;
+  using RowScales = nb::ndarray<const float, nb::ndim<2>, nb::device::cpu>;
+  // int8 codes, and a float32 scale per row: k_scale, v_scale [kv_heads, length], contiguous along length.
+  k.def("decode_attention_i8", [](int isa, int threads, Matrix q, I8Cache k, I8Cache v, RowScales k_scale,
+                                  RowScales v_scale, float scale, OutMatrix out) {
+    const int64_t d = q.shape(1);
+    check(k.shape(2) == static_cast<size_t>(d) && v.shape(2) == static_cast<size_t>(d) &&
+              k.shape(0) == v.shape(0) && k.shape(1) == v.shape(1) && out.shape(0) == q.shape(0) &&
+              out.shape(1) == q.shape(1) && k.shape(0) > 0 && q.shape(0) % k.shape(0) == 0 && k.shape(1) > 0 &&
+              k_scale.shape(0) == k.shape(0) && k_scale.shape(1) == k.shape(1) && v_scale.shape(0) == k.shape(0) &&
+              v_scale.shape(1) == k.shape(1),
+          "decode_attention: shapes");
+    check(k.stride(2) == 1 && k.stride(1) == d && v.stride(2) == 1 && v.stride(1) == d,
+          "decode_attention: K and V rows must be contiguous");
+    check(k_scale.stride(1) == 1 && v_scale.stride(1) == 1 && k_scale.stride(0) == v_scale.stride(0),
+          "decode_attention: scales must be contiguous along the length, both with one head stride");
+    check(isa_available(Isa(isa)), "decode_attention: this CPU lacks that ISA");
+    nb::gil_scoped_release release;
+    decode_attention_i8(q.data(), static_cast<int>(q.shape(0)), static_cast<int>(d), k.data(), v.data(), k.stride(0),
+                        v.stride(0), k_scale.data(), v_scale.data(), k_scale.stride(0), static_cast<int>(k.shape(0)),
+                        static_cast<int>(k.shape(1)), scale, out.data(), threads, Isa(isa));
+  });
   // One Qwen3-MoE layer's decode step (native/src/decode_layer.cpp). Built once per layer from the
   // backbone's arrays, which it keeps alive; called per token with the layer's cache run.
   struct PyDecodeLayer {

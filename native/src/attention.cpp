@@ -4,6 +4,7 @@
 // memory once for all of them (GQA). Keys are cut into fixed chunks of kChunk; each (KV head, chunk) is a
 // task with its own running max, sum and output (online softmax, flash-decoding), and the chunks are
 // merged in ascending order: the result depends on the length only, never on the thread count.
+// Caches: float32, bf16, or int8 with a float32 scale per row (key or value = code * scale).
 #include <immintrin.h>
 #include <omp.h>
 
@@ -69,6 +70,7 @@ MOSAIC_AVX512 inline __m512 sum16x16(const __m512* a) {
 }
 
 inline float widen(float x) { return x; }
+inline float widen(int8_t x) { return static_cast<float>(x); }  // times its row's scale, by the caller
 inline float widen(uint16_t x) {
   const uint32_t bits = static_cast<uint32_t>(x) << 16;
   float f;
@@ -85,6 +87,10 @@ inline float widen(uint16_t x) {
 MOSAIC_AVX512 inline void load_pair(const float* row, int i, __m512& s0, __m512& s1) {
   s0 = _mm512_loadu_ps(row + 32 * i);
   s1 = _mm512_loadu_ps(row + 32 * i + 16);
+}
+MOSAIC_AVX512 inline void load_pair(const int8_t* row, int i, __m512& s0, __m512& s1) {  // codes, in place
+  s0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * i))));
+  s1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * i + 16))));
 }
 MOSAIC_AVX512 inline void load_pair(const uint16_t* row, int i, __m512& s0, __m512& s1) {
   const __m512i w = _mm512_loadu_si512(row + 32 * i);
@@ -183,8 +189,13 @@ MOSAIC_AVX512 inline void value_rows(float* o, int d, int nv, const float (*p)[k
 // (rep x d, the kernel's order) and max/sum in part. NV = d / 16 when known at compile time, else 0.
 constexpr int kMaxDim = 512;
 
+struct RowScales {  // an int8 cache's per-row scales for one KV head (position j at k[j], v[j]); else null
+  const float* k = nullptr;
+  const float* v = nullptr;
+};
+
 template <int NV, typename T>
-MOSAIC_AVX512 void task_avx512(const float* q, int rep, int d, const T* k, const T* v, int k0, int k1,
+MOSAIC_AVX512 void task_avx512(const float* q, int rep, int d, const T* k, const T* v, RowScales rs, int k0, int k1,
                                float* o, Partial* part) {
   // Tile-major: a tile's 16 key rows come from memory once and stay in L1 while every query head of the
   // group scores them; then its 16 value rows, while every head accumulates them. Heads go in blocks of
@@ -233,9 +244,12 @@ MOSAIC_AVX512 void task_avx512(const float* q, int rep, int d, const T* k, const
       }
       // The block's heads step by step (sums, then the rare new reference, then exp), so their
       // dependency chains overlap instead of running one head after another.
+      // An int8 key's dot product times its row's scale; a float key's scale is 1.
+      const __m512 kscale = rs.k ? _mm512_maskz_loadu_ps(live, rs.k + j0) : _mm512_set1_ps(1.f);
       __m512 sc[4];
       for (int h = 0; h < hb; ++h)
-        sc[h] = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live, sum16x16(a + h * kTile));
+        sc[h] = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live,
+                                   _mm512_mul_ps(sum16x16(a + h * kTile), kscale));
       for (int h = 0; h < hb; ++h) {
         const int r = r0 + h;
         if (_mm512_cmp_ps_mask(sc[h], _mm512_set1_ps(ref[r] + kSlack), _CMP_GT_OQ)) {
@@ -249,10 +263,12 @@ MOSAIC_AVX512 void task_avx512(const float* q, int rep, int d, const T* k, const
           ref[r] = m_new;
         }
       }
+      // The value rows' scales ride on the probabilities (p v_j s_j), not on the sums.
+      const __m512 vscale = rs.v ? _mm512_maskz_loadu_ps(live, rs.v + j0) : _mm512_set1_ps(1.f);
       for (int h = 0; h < hb; ++h) {
         const __m512 p = exp_scores(_mm512_sub_ps(sc[h], _mm512_set1_ps(ref[r0 + h])));
         sums[r0 + h] = _mm512_add_ps(sums[r0 + h], p);
-        _mm512_store_ps(probs[r0 + h], p);
+        _mm512_store_ps(probs[r0 + h], _mm512_mul_ps(p, vscale));
       }
     }
     for (int r0 = 0; r0 < rep; r0 += 4) {  // values, one head block at a time
@@ -268,7 +284,8 @@ MOSAIC_AVX512 void task_avx512(const float* q, int rep, int d, const T* k, const
 }
 
 template <typename T>
-void task_scalar(const float* q, int rep, int d, const T* k, const T* v, int k0, int k1, float* o, Partial* part) {
+void task_scalar(const float* q, int rep, int d, const T* k, const T* v, RowScales rs, int k0, int k1, float* o,
+                 Partial* part) {
   std::vector<float> s(k1 - k0);
   for (int r = 0; r < rep; ++r) {
     const float* qr = q + static_cast<int64_t>(r) * d;
@@ -276,6 +293,7 @@ void task_scalar(const float* q, int rep, int d, const T* k, const T* v, int k0,
     for (int j = k0; j < k1; ++j) {
       float dot = 0.f;
       for (int i = 0; i < d; ++i) dot += qr[i] * widen(k[static_cast<int64_t>(j) * d + i]);
+      if (rs.k) dot *= rs.k[j];
       s[j - k0] = dot;
       m = std::max(m, dot);
     }
@@ -285,7 +303,8 @@ void task_scalar(const float* q, int rep, int d, const T* k, const T* v, int k0,
     for (int j = k0; j < k1; ++j) {
       const float p = std::exp(s[j - k0] - m);
       l += p;
-      for (int i = 0; i < d; ++i) orow[i] += p * widen(v[static_cast<int64_t>(j) * d + i]);
+      const float pv = rs.v ? p * rs.v[j] : p;
+      for (int i = 0; i < d; ++i) orow[i] += pv * widen(v[static_cast<int64_t>(j) * d + i]);
     }
     part[r] = {m, l};
   }
@@ -293,13 +312,15 @@ void task_scalar(const float* q, int rep, int d, const T* k, const T* v, int k0,
 
 template <typename T>
 void attend(const float* q, int heads, int head_dim, const T* k, const T* v, int64_t k_head_stride,
-            int64_t v_head_stride, int kv_heads, int length, float scale, float* out, int threads, Isa isa) {
+            int64_t v_head_stride, const float* k_scale, const float* v_scale, int64_t scale_head_stride,
+            int kv_heads, int length, float scale, float* out, int threads, Isa isa) {
   const int rep = heads / kv_heads, d = head_dim;
   const int chunks = std::max(1, (length + kChunk - 1) / kChunk);
   const int tasks = kv_heads * chunks;
-  constexpr bool bf16 = std::is_same<T, uint16_t>::value;
-  const bool wide = (isa == Isa::Avx512 || isa == Isa::Avx512Vnni) && d % (bf16 ? 32 : 16) == 0 && d <= kMaxDim &&
-                    rep <= 64;
+  constexpr bool bf16 = std::is_same<T, uint16_t>::value, paired = !std::is_same<T, float>::value;
+  // bf16 and int8 rows are loaded 32 values at a time (load_pair)
+  const bool wide = (isa == Isa::Avx512 || isa == Isa::Avx512Vnni) && d % (paired ? 32 : 16) == 0 &&
+                    d <= kMaxDim && rep <= 64;
   // Where the AVX-512 loop keeps element i of a query or output row (load_pair): bf16 rows go as evens
   // then odds inside each block of 32; otherwise in place.
   const bool split = bf16 && wide;
@@ -323,11 +344,13 @@ void attend(const float* q, int heads, int head_dim, const T* k, const T* v, int
     Partial* part = part_all + static_cast<int64_t>(t) * rep;
     const T* kg = k + g * k_head_stride;
     const T* vg = v + g * v_head_stride;
-    if (!wide) task_scalar(qg, rep, d, kg, vg, k0, k1, o, part);
-    else if (d == 64) task_avx512<4, T>(qg, rep, d, kg, vg, k0, k1, o, part);
-    else if (d == 128) task_avx512<8, T>(qg, rep, d, kg, vg, k0, k1, o, part);
-    else if (d == 256) task_avx512<16, T>(qg, rep, d, kg, vg, k0, k1, o, part);
-    else task_avx512<0, T>(qg, rep, d, kg, vg, k0, k1, o, part);
+    const RowScales rs{k_scale ? k_scale + g * scale_head_stride : nullptr,
+                       v_scale ? v_scale + g * scale_head_stride : nullptr};
+    if (!wide) task_scalar(qg, rep, d, kg, vg, rs, k0, k1, o, part);
+    else if (d == 64) task_avx512<4, T>(qg, rep, d, kg, vg, rs, k0, k1, o, part);
+    else if (d == 128) task_avx512<8, T>(qg, rep, d, kg, vg, rs, k0, k1, o, part);
+    else if (d == 256) task_avx512<16, T>(qg, rep, d, kg, vg, rs, k0, k1, o, part);
+    else task_avx512<0, T>(qg, rep, d, kg, vg, rs, k0, k1, o, part);
   }
   // Merge each query head's chunks in ascending order.
   for (int g = 0; g < kv_heads; ++g) {
@@ -354,13 +377,23 @@ void attend(const float* q, int heads, int head_dim, const T* k, const T* v, int
 
 void decode_attention(const float* q, int heads, int head_dim, const float* k, const float* v, int64_t k_head_stride,
                       int64_t v_head_stride, int kv_heads, int length, float scale, float* out, int threads, Isa isa) {
-  attend(q, heads, head_dim, k, v, k_head_stride, v_head_stride, kv_heads, length, scale, out, threads, isa);
+  attend(q, heads, head_dim, k, v, k_head_stride, v_head_stride, nullptr, nullptr, 0, kv_heads, length, scale, out,
+         threads, isa);
 }
 
 void decode_attention_bf16(const float* q, int heads, int head_dim, const uint16_t* k, const uint16_t* v,
                            int64_t k_head_stride, int64_t v_head_stride, int kv_heads, int length, float scale,
                            float* out, int threads, Isa isa) {
-  attend(q, heads, head_dim, k, v, k_head_stride, v_head_stride, kv_heads, length, scale, out, threads, isa);
+  attend(q, heads, head_dim, k, v, k_head_stride, v_head_stride, nullptr, nullptr, 0, kv_heads, length, scale, out,
+         threads, isa);
+}
+
+void decode_attention_i8(const float* q, int heads, int head_dim, const int8_t* k, const int8_t* v,
+                         int64_t k_head_stride, int64_t v_head_stride, const float* k_scale, const float* v_scale,
+                         int64_t scale_head_stride, int kv_heads, int length, float scale, float* out, int threads,
+                         Isa isa) {
+  attend(q, heads, head_dim, k, v, k_head_stride, v_head_stride, k_scale, v_scale, scale_head_stride, kv_heads,
+         length, scale, out, threads, isa);
 }
 
 }  // namespace mosaic

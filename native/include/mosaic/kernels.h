@@ -104,6 +104,12 @@ void decode_attention(const float* q, int heads, int head_dim, const float* k, c
 void decode_attention_bf16(const float* q, int heads, int head_dim, const uint16_t* k, const uint16_t* v,
                            int64_t k_head_stride, int64_t v_head_stride, int kv_heads, int length, float scale,
                            float* out, int threads, Isa isa);
+// The same over an int8 cache: key or value = code * its row's scale; k_scale / v_scale [kv_heads, length]
+// floats, heads scale_head_stride apart.
+void decode_attention_i8(const float* q, int heads, int head_dim, const int8_t* k, const int8_t* v,
+                         int64_t k_head_stride, int64_t v_head_stride, const float* k_scale, const float* v_scale,
+                         int64_t scale_head_stride, int kv_heads, int length, float scale, float* out, int threads,
+                         Isa isa);
 
 // A backbone matrix as the runtime holds it: bf16 bit patterns, or int8 / E4M3 codes with a float32 scale
 // per row (backbone.QuantizedMatrix).
