@@ -101,6 +101,16 @@ def test_no_reallocation_in_the_token_loop(model_dir):
     assert grown < 64 << 10  # Python-level churn only: no buffer grows with the tokens
 
 
+def first_read_error(engine) -> VaultError | None:
+    """The VaultError of the first of a fixed series of prompts whose routing reaches a bad record."""
+    for start in range(0, 300, 7):  # this model routes one of these to expert 3 of layer 1
+        try:
+            engine.logits([start % 320, (start * 3) % 320, (start * 5) % 320])
+        except VaultError as e:
+            return e
+    return None
+
+
 def test_corrupted_record_raises_and_hands_nothing_to_the_kernel(model_dir, tmp_path):
     import shutil
     d = tmp_path / "bad"
@@ -108,13 +118,7 @@ def test_corrupted_record_raises_and_hands_nothing_to_the_kernel(model_dir, tmp_
     engine = Engine.open(d, ram_budget=1 << 30, max_seq=64, preload=False)  # it would read the good bytes first
     entry = engine.vault.entry(1, 3)
     flip_byte(d / "experts.vault", entry.offset + 777)
-    bad = None
-    for start in range(0, 300, 7):  # find a prompt that routes to expert 3 of layer 1
-        try:
-            engine.logits([start % 320, (start * 3) % 320, (start * 5) % 320])
-        except VaultError as e:
-            bad = e
-            break
+    bad = first_read_error(engine)
     assert bad is not None and (bad.layer, bad.expert) == (1, 3)
     assert (1, 3) not in engine.store.policy.where  # the slot was emptied, not left looking valid
 
@@ -253,12 +257,6 @@ def test_a_record_preload_could_not_read_is_reported_when_a_layer_needs_it(model
     flip_byte(d / "experts.vault", entry.offset + 777)
     engine = Engine.open(d, ram_budget=1 << 30, max_seq=64)
     wait_for_preload(engine.store)
-    bad = None
-    for start in range(0, 300, 7):  # find a prompt that routes to expert 3 of layer 1
-        try:
-            engine.logits([start % 320, (start * 3) % 320, (start * 5) % 320])
-        except VaultError as e:
-            bad = e
-            break
+    bad = first_read_error(engine)
     assert bad is not None and (bad.layer, bad.expert) == (1, 3)
     assert (1, 3) not in engine.store.policy.where
