@@ -79,6 +79,7 @@ def test_an_expedited_background_read_is_read_once(records_file):
         ring.submit(slot, index * LAYOUT.record_bytes, records[index].size, zlib.crc32(records[index]),
                     background=True)
     expedited = [ring.expedite(slot) for slot in range(5)]
+    assert not any(ring.expedite(slot) for slot in range(5))  # queued as demand once, never twice
     states = [ring.wait(s) for s in range(5)]
     for slot, (fast, state) in enumerate(zip(expedited, states)):
         assert state == (SlotState.IN_USE if fast else SlotState.READY)  # demand reads land IN_USE

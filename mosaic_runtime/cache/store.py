@@ -6,8 +6,8 @@ native kernel then runs each expert the moment its record has arrived (and passe
 `finish` turns a failed read into a VaultError and empties that slot, so nothing computes on it.
 
 When the ring can hold every record, `preload` reads them all in the background (one at a time, only
-while no layer's read is queued or in progress), so a model that fits in RAM soon runs with no reads at all, as a memory-mapped
-engine does once its pages are in.
+while no layer's read is queued or in progress), so a model that fits in RAM soon runs with no reads at
+all, as a memory-mapped engine does once its pages are in.
 """
 
 from __future__ import annotations

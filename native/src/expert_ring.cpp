@@ -19,6 +19,7 @@ ExpertRing::ExpertRing(int direct_fd, int buffered_fd, uint64_t n_slots, uint64_
   background_.items.resize(n_slots);
   latest_.assign(n_slots, Request{0, 0, 0, 0, 0});
   taken_.assign(n_slots, true);
+  demand_generation_.assign(n_slots, 0);
   if (n_slots == 0 || slot_bytes == 0 || slot_bytes % 4096 != 0)
     throw std::invalid_argument("ExpertRing: need at least one slot of a whole number of 4 KiB pages");
   // Anonymous mmap: page-aligned (Direct I/O needs it), allocated once for the ring's life.
@@ -66,6 +67,7 @@ void ExpertRing::submit(uint64_t i, uint64_t offset, uint64_t length, uint32_t c
     latest_[i] = {i, offset, length, crc, latest_[i].generation + 1};
     taken_[i] = false;
     (background ? background_ : demand_).push(latest_[i]);
+    if (!background) demand_generation_[i] = latest_[i].generation;
   }
   work_cv_.notify_one();
 }
@@ -74,10 +76,12 @@ bool ExpertRing::expedite(uint64_t i) {
   if (i >= n_slots_) throw std::out_of_range("ExpertRing::expedite: slot out of range");
   {
     std::lock_guard<std::mutex> lock(mu_);
-    // Taken (being read or done) or already queued as demand: nothing to do. A slot has at most one
-    // request in each queue, so the demand queue still never holds more than n_slots.
-    if (taken_[i] || state(i) != SlotState::Loading || demand_.count == demand_.items.size()) return false;
+    // Taken (being read or done) or already queued as demand: nothing to do. So a slot has at most one
+    // request in each queue, and neither queue ever holds more than n_slots.
+    if (taken_[i] || state(i) != SlotState::Loading || demand_generation_[i] == latest_[i].generation)
+      return false;
     demand_.push(latest_[i]);
+    demand_generation_[i] = latest_[i].generation;
   }
   work_cv_.notify_one();
   return true;

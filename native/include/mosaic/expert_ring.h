@@ -91,10 +91,12 @@ class ExpertRing final : public Arrivals {
   std::unique_ptr<std::atomic<int32_t>[]> states_;
   std::unique_ptr<ReadFailure[]> failures_;
   Queue demand_, background_;
-  // Per slot, under mu_: the latest request (a request of an older generation is stale) and whether a
-  // worker has taken it, so a request queued twice (expedite) is read once.
+  // Per slot, under mu_: the latest request (a request of an older generation is stale), whether a
+  // worker has taken it, so a request queued twice (expedite) is read once, and the generation last put
+  // in the demand queue, so it is put there once.
   std::vector<Request> latest_;
   std::vector<bool> taken_;
+  std::vector<uint64_t> demand_generation_;
   int demand_active_ = 0, background_active_ = 0;
   bool stop_ = false;
   std::atomic<bool> fell_back_{false};
