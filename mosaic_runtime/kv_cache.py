@@ -6,8 +6,8 @@ A single sequence takes free pages lowest first, so its pages are normally one a
 attention reads them as a view; any other order is gathered (a copy) before attention.
 
 The pool holds float32, bf16 or int8. An int8 cache keeps a float32 scale per (position, KV head) row
-beside it (symmetric: amax / 127, as llama.cpp's q8_0 KV cache does per 32 values), a quarter of float32's
-bytes; its keys and values come back as Int8Rows.
+beside it (symmetric: amax / 127; llama.cpp's q8_0 cache keeps one per 32 values), about a quarter of
+float32's bytes; its keys and values come back as Int8Rows.
 """
 
 from __future__ import annotations
