@@ -2,7 +2,7 @@
 //
 // The query heads that share a KV head are served together, so each key and value row is read from
 // memory once for all of them (GQA). Keys are cut into fixed chunks of kChunk; each (KV head, chunk) is a
-// task with its own running max, sum and output (online softmax, flash-decoding), and the chunks are
+// task with its own reference max, sum and output (online softmax, flash-decoding), and the chunks are
 // merged in ascending order: the result depends on the length only, never on the thread count.
 // Caches: float32, bf16, or int8 with a float32 scale per row (key or value = code * scale).
 #include <immintrin.h>
