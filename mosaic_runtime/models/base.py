@@ -66,11 +66,12 @@ class Rotary:
         return torch.cat([rot * cos + rot.roll(self.rot_dim // 2, dims=-1) * signed_sin, rest], dim=-1)
 
 
-def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
-                     scale: float) -> torch.Tensor:
-    """Causal GQA attention of T new queries at positions start..start+T-1 over cache[:start+T]: a decode
-    step (T == 1) on the CPU runs the native kernel (native/src/attention.cpp, each key and value read
-    once for the query heads that share it); everything else, and the reference, is torch_attention."""
+def cached_attention(q: torch.Tensor, k_cache: torch.Tensor | Int8Rows, v_cache: torch.Tensor | Int8Rows,
+                     start: int, scale: float) -> torch.Tensor:
+    """Causal GQA attention of T new queries at positions start..start+T-1 over cache[:start+T] (float32,
+    bf16, or an int8 cache's codes and row scales): a decode step (T == 1) on the CPU runs the native
+    kernel (native/src/attention.cpp, each key and value read once for the query heads that share it);
+    everything else, and the reference, is torch_attention (an int8 cache dequantized first)."""
     end = start + q.shape[0]
     if isinstance(k_cache, Int8Rows):  # an int8 cache: codes and a scale per row
         k, v = Int8Rows(*(t[:, :end] for t in k_cache)), Int8Rows(*(t[:, :end] for t in v_cache))
