@@ -4,7 +4,8 @@
 // memory once for all of them (GQA). Keys are cut into fixed chunks of kChunk; each (KV head, chunk) is a
 // task with its own reference max, sum and output (online softmax, flash-decoding), and the chunks are
 // merged in ascending order: the result depends on the length only, never on the thread count.
-// Caches: float32, bf16, or int8 with a float32 scale per row (key or value = code * scale).
+// Caches: float32, bf16, or int8 with a float32 scale per row (key or value = code * scale); under
+// Isa::Avx512Vnni an int8 cache takes the integer task of attention_i8.cpp instead.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -16,58 +17,31 @@
 #include <vector>
 
 #include "mosaic/kernels.h"
-#include "simd_avx512.h"
+#include "attention_tile.h"
 
 namespace mosaic {
 namespace {
 
-constexpr int kChunk = 512;  // keys per task: 2 x 512 KB of f32 K and V at head_dim 256
-constexpr int kTile = 16;    // keys whose scores are exponentiated together (one zmm)
-// A task's reference max moves only when a score exceeds it by more than this, so most tiles need no
-// max reduction and no rescaling of the outputs; probabilities stay below e^8 (about 3000) before the
-// final normalisation.
-constexpr float kSlack = 8.f;
-constexpr int kAhead = 1;    // tiles prefetched ahead (16 KB of float32 at head_dim 256)
+using namespace attention;
 
-struct Partial {  // one task's state for one query head: its probabilities' sum, relative to e^ref
-  float ref, sum;
-};
+constexpr int kAhead = 1;  // tiles prefetched ahead (16 KB of float32 at head_dim 256)
 
-// exp(x) for x <= kSlack (scores minus their reference max), to about 2 ulp: x = n ln2 + r, |r| <= ln2/2,
-// a degree-6 polynomial for e^r, then scaled by 2^n. Below -87 the result is 0 (a masked key's score is -inf).
-MOSAIC_AVX512 inline __m512 exp_scores(__m512 x) {
-  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2 split in two for accuracy
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
-}
-
-// S[j] = the sum of acc[j]'s 16 lanes, for 16 accumulators at once: pairwise adds through unpacks and
-// 128-bit block shuffles, 45 operations instead of 16 separate reductions (128).
-MOSAIC_AVX512 inline __m512 sum16x16(const __m512* a) {
-  __m512 b[8], c[4], d[2];
-  for (int j = 0; j < 8; ++j)  // per 128-bit block: [a2j partial, a2j+1 partial] x 2
-    b[j] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * j], a[2 * j + 1]), _mm512_unpackhi_ps(a[2 * j], a[2 * j + 1]));
-  for (int j = 0; j < 4; ++j) {  // per block: [a4j, a4j+1, a4j+2, a4j+3] partials
-    const __m512d x = _mm512_castps_pd(b[2 * j]), y = _mm512_castps_pd(b[2 * j + 1]);
-    c[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+// The next tile's key and value lines, prefetched towards L1 a few at a time from inside the arithmetic
+// (step() once an inner iteration), so memory streams behind the compute. A burst of prefetches would
+// fill the core's dozen line-fill buffers and stall it, and with no prefetch the stream idles whenever
+// the loop works from L1. Prefetching past the end of the cache is harmless: prefetches never fault.
+struct Prefetcher {
+  const char* k;
+  const char* v;
+  int lines;     // 64-byte lines in one tile of K (the same of V)
+  int per_step;  // lines a step
+  int done = 0;
+  inline void step() {
+    for (int i = 0; i < per_step && done < 2 * lines; ++i, ++done)
+      _mm_prefetch(done < lines ? k + 64 * static_cast<int64_t>(done) : v + 64 * static_cast<int64_t>(done - lines),
+                   _MM_HINT_T0);
   }
-  for (int j = 0; j < 2; ++j)
-    d[j] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * j], c[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(c[2 * j], c[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
+};
 
 inline float widen(float x) { return x; }
 inline float widen(int8_t x) { return static_cast<float>(x); }  // times its row's scale, by the caller
@@ -97,23 +71,6 @@ MOSAIC_AVX512 inline void load_pair(const uint16_t* row, int i, __m512& s0, __m5
   s0 = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
   s1 = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
-
-// The next tile's key and value lines, prefetched towards L1 a few at a time from inside the arithmetic
-// (step() once an inner iteration), so memory streams behind the compute. A burst of prefetches would
-// fill the core's dozen line-fill buffers and stall it, and with no prefetch the stream idles whenever
-// the loop works from L1. Prefetching past the end of the cache is harmless: prefetches never fault.
-struct Prefetcher {
-  const char* k;
-  const char* v;
-  int lines;     // 64-byte lines in one tile of K (the same of V)
-  int per_step;  // lines a step
-  int done = 0;
-  inline void step() {
-    for (int i = 0; i < per_step && done < 2 * lines; ++i, ++done)
-      _mm_prefetch(done < lines ? k + 64 * static_cast<int64_t>(done) : v + 64 * static_cast<int64_t>(done - lines),
-                   _MM_HINT_T0);
-  }
-};
 
 // Scores of HB query heads (q, rows d apart, in the kernel's order) against 4 key rows, over the nv
 // slices of a row: each loaded key slice feeds HB heads and each query slice 4 keys, so a multiply-add
@@ -184,16 +141,9 @@ MOSAIC_AVX512 inline void value_rows(float* o, int d, int nv, const float (*p)[k
     if (i < nv) value_block<HB, 1, T>(o, d, i, p, vt, n, pf);
 }
 
-// One task, AVX-512, head_dim a multiple of 16 (of 32 for bf16) and at most kMaxDim: rep query heads
-// (q, rep x d, in the kernel's order) over keys [k0, k1) of one KV head. Leaves unnormalised outputs in o
-// (rep x d, the kernel's order) and max/sum in part. NV = d / 16 when known at compile time, else 0.
-constexpr int kMaxDim = 512;
-
-struct RowScales {  // an int8 cache's per-row scales for one KV head (position j at k[j], v[j]); else null
-  const float* k = nullptr;
-  const float* v = nullptr;
-};
-
+// One task, AVX-512, head_dim a multiple of 16 (of 32 for bf16 and int8) and at most kMaxDim: rep query
+// heads (q, rep x d, in the kernel's order) over keys [k0, k1) of one KV head. Leaves unnormalised outputs
+// in o (rep x d, the kernel's order) and max/sum in part. NV = d / 16 when known at compile time, else 0.
 template <int NV, typename T>
 MOSAIC_AVX512 void task_avx512(const float* q, int rep, int d, const T* k, const T* v, RowScales rs, int k0, int k1,
                                float* o, Partial* part) {
@@ -207,7 +157,6 @@ MOSAIC_AVX512 void task_avx512(const float* q, int rep, int d, const T* k, const
   const int steps = blocks * (kTile / 4) * (nv / 2) + blocks * ((nv + 3) / 4) * kTile;  // a full tile's
   const int per_step = (2 * tile_lines + steps - 1) / steps;
   const int64_t ahead = static_cast<int64_t>(kAhead) * kTile * d;  // elements
-  constexpr int kMaxRep = 64;
   alignas(64) float probs[kMaxRep][kTile];
   alignas(64) __m512 a[4 * kTile];  // one head block's lane-partial scores
   // Per head: the reference max (exp's offset) and the lanes of the running sum of probabilities.
@@ -242,34 +191,14 @@ MOSAIC_AVX512 void task_avx512(const float* q, int rep, int d, const T* k, const
         else if (hb == 2) score_block<2, T>(qb, d, nv, krow, a + j, pf);
         else score_block<1, T>(qb, d, nv, krow, a + j, pf);
       }
-      // The block's heads step by step (sums, then the rare new reference, then exp), so their
-      // dependency chains overlap instead of running one head after another.
       // An int8 key's dot product times its row's scale; a float key's scale is 1.
       const __m512 kscale = rs.k ? _mm512_maskz_loadu_ps(live, rs.k + j0) : _mm512_set1_ps(1.f);
+      const __m512 vscale = rs.v ? _mm512_maskz_loadu_ps(live, rs.v + j0) : _mm512_set1_ps(1.f);
       __m512 sc[4];
       for (int h = 0; h < hb; ++h)
         sc[h] = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live,
                                    _mm512_mul_ps(sum16x16(a + h * kTile), kscale));
-      for (int h = 0; h < hb; ++h) {
-        const int r = r0 + h;
-        if (_mm512_cmp_ps_mask(sc[h], _mm512_set1_ps(ref[r] + kSlack), _CMP_GT_OQ)) {
-          // A new reference: the exact max so far. What was summed under the old one is scaled to the new
-          // (by 0 on the first tile, whose reference is -inf, where the outputs and sums are still 0).
-          const float m_new = std::max(ref[r], _mm512_reduce_max_ps(sc[h]));
-          const __m512 c = exp_scores(_mm512_set1_ps(ref[r] - m_new));
-          float* orow = o + static_cast<int64_t>(r) * d;
-          for (int i = 0; i < d; i += 16) _mm512_storeu_ps(orow + i, _mm512_mul_ps(_mm512_loadu_ps(orow + i), c));
-          sums[r] = _mm512_mul_ps(sums[r], c);
-          ref[r] = m_new;
-        }
-      }
-      // The value rows' scales ride on the probabilities (p v_j s_j), not on the sums.
-      const __m512 vscale = rs.v ? _mm512_maskz_loadu_ps(live, rs.v + j0) : _mm512_set1_ps(1.f);
-      for (int h = 0; h < hb; ++h) {
-        const __m512 p = exp_scores(_mm512_sub_ps(sc[h], _mm512_set1_ps(ref[r0 + h])));
-        sums[r0 + h] = _mm512_add_ps(sums[r0 + h], p);
-        _mm512_store_ps(probs[r0 + h], _mm512_mul_ps(p, vscale));
-      }
+      softmax_tile(sc, hb, ref + r0, sums + r0, o + static_cast<int64_t>(r0) * d, d, vscale, probs + r0);
     }
     for (int r0 = 0; r0 < rep; r0 += 4) {  // values, one head block at a time
       const int hb = std::min(4, rep - r0);
@@ -317,20 +246,37 @@ void attend(const float* q, int heads, int head_dim, const T* k, const T* v, int
   const int rep = heads / kv_heads, d = head_dim;
   const int chunks = std::max(1, (length + kChunk - 1) / kChunk);
   const int tasks = kv_heads * chunks;
-  constexpr bool bf16 = std::is_same<T, uint16_t>::value, paired = !std::is_same<T, float>::value;
-  // bf16 and int8 rows are loaded 32 values at a time (load_pair)
-  const bool wide = (isa == Isa::Avx512 || isa == Isa::Avx512Vnni) && d % (paired ? 32 : 16) == 0 &&
-                    d <= kMaxDim && rep <= 64;
-  // Where the AVX-512 loop keeps element i of a query or output row (load_pair): bf16 rows go as evens
-  // then odds inside each block of 32; otherwise in place.
+  constexpr bool bf16 = std::is_same<T, uint16_t>::value, int8 = std::is_same<T, int8_t>::value;
+  // bf16 and int8 rows are loaded 32 values at a time (load_pair, attention_i8.cpp)
+  const bool wide = (isa == Isa::Avx512 || isa == Isa::Avx512Vnni) && d % (int8 || bf16 ? 32 : 16) == 0 &&
+                    d <= kMaxDim && rep <= kMaxRep;
+  const bool integer = int8 && wide && isa == Isa::Avx512Vnni;  // task_i8_vnni
+  // Where the AVX-512 loops keep element i of a query or output row: bf16 rows go as evens then odds
+  // inside each block of 32 (load_pair); the integer int8 task's outputs in i8_order; otherwise in place.
   const bool split = bf16 && wide;
   auto at = [split](int i) { return split ? (i & ~31) + (i & 1) * 16 + (i & 31) / 2 : i; };
+  auto out_at = [&at, integer](int i) { return integer ? (i & ~31) + i8_order(i & 31) : at(i); };
   thread_local std::vector<float> o_buf, q_buf;
+  thread_local std::vector<int16_t> q16_buf;
   thread_local std::vector<Partial> part_buf;
-  q_buf.resize(static_cast<size_t>(heads) * d);  // the queries times scale: what every task dots with
-  for (int h = 0; h < heads; ++h)
-    for (int i = 0; i < d; ++i) q_buf[static_cast<size_t>(h) * d + at(i)] = q[static_cast<size_t>(h) * d + i] * scale;
-  q = q_buf.data();
+  if (integer) {  // each query head as int16 codes, its largest magnitude at 32767, and its scale
+    q16_buf.resize(static_cast<size_t>(heads) * d);
+    q_buf.resize(heads);
+    for (int h = 0; h < heads; ++h) {
+      const float* qh = q + static_cast<size_t>(h) * d;
+      float amax = 0.f;
+      for (int i = 0; i < d; ++i) amax = std::max(amax, std::fabs(qh[i]));
+      const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+      for (int i = 0; i < d; ++i) q16_buf[static_cast<size_t>(h) * d + i] = static_cast<int16_t>(std::nearbyint(qh[i] * inv));
+      q_buf[h] = amax / 32767.f * scale;
+    }
+  } else {  // the queries times scale: what every task dots with
+    q_buf.resize(static_cast<size_t>(heads) * d);
+    for (int h = 0; h < heads; ++h)
+      for (int i = 0; i < d; ++i) q_buf[static_cast<size_t>(h) * d + at(i)] = q[static_cast<size_t>(h) * d + i] * scale;
+  }
+  const int16_t* q16 = q16_buf.data();
+  const float* qf = q_buf.data();
   o_buf.resize(static_cast<size_t>(tasks) * rep * d);
   part_buf.resize(static_cast<size_t>(tasks) * rep);
   float* o_all = o_buf.data();
@@ -339,37 +285,45 @@ void attend(const float* q, int heads, int head_dim, const T* k, const T* v, int
   for (int t = 0; t < tasks; ++t) {
     const int g = t / chunks, c = t % chunks;
     const int k0 = c * kChunk, k1 = std::min(length, k0 + kChunk);
-    const float* qg = q + static_cast<int64_t>(g) * rep * d;
+    const float* qg = qf + static_cast<int64_t>(g) * rep * d;
     float* o = o_all + static_cast<int64_t>(t) * rep * d;
     Partial* part = part_all + static_cast<int64_t>(t) * rep;
     const T* kg = k + g * k_head_stride;
     const T* vg = v + g * v_head_stride;
     const RowScales rs{k_scale ? k_scale + g * scale_head_stride : nullptr,
                        v_scale ? v_scale + g * scale_head_stride : nullptr};
+    if constexpr (int8) {
+      if (integer) {
+        task_i8_vnni(q16 + static_cast<int64_t>(g) * rep * d, qf + g * rep, rep, d, kg, vg, rs, k0, k1, o, part);
+        continue;
+      }
+    }
     if (!wide) task_scalar(qg, rep, d, kg, vg, rs, k0, k1, o, part);
     else if (d == 64) task_avx512<4, T>(qg, rep, d, kg, vg, rs, k0, k1, o, part);
     else if (d == 128) task_avx512<8, T>(qg, rep, d, kg, vg, rs, k0, k1, o, part);
     else if (d == 256) task_avx512<16, T>(qg, rep, d, kg, vg, rs, k0, k1, o, part);
     else task_avx512<0, T>(qg, rep, d, kg, vg, rs, k0, k1, o, part);
   }
-  // Merge each query head's chunks in ascending order.
-  for (int g = 0; g < kv_heads; ++g) {
-    for (int r = 0; r < rep; ++r) {
-      float m = -std::numeric_limits<float>::infinity();
-      for (int c = 0; c < chunks; ++c) m = std::max(m, part_all[(g * chunks + c) * rep + r].ref);
-      float* dst = out + (static_cast<int64_t>(g) * rep + r) * d;
-      std::fill(dst, dst + d, 0.f);
-      float l = 0.f;
-      for (int c = 0; c < chunks; ++c) {
-        const int t = g * chunks + c;
-        const float w = std::exp(part_all[t * rep + r].ref - m);
-        l += part_all[t * rep + r].sum * w;
-        const float* o = o_all + (static_cast<int64_t>(t) * rep + r) * d;
-        for (int i = 0; i < d; ++i) dst[i] += o[at(i)] * w;
-      }
-      const float inv = 1.f / l;
-      for (int i = 0; i < d; ++i) dst[i] *= inv;
+  // Merge each query head's chunks in ascending order, in the kernel's element order (a loop that
+  // vectorizes), then put the elements back in place.
+  const int rows = kv_heads * rep;
+#pragma omp parallel for num_threads(std::min(threads, rows)) schedule(static)
+  for (int row = 0; row < rows; ++row) {
+    const int g = row / rep, r = row % rep;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int c = 0; c < chunks; ++c) m = std::max(m, part_all[(g * chunks + c) * rep + r].ref);
+    std::vector<float> acc(d, 0.f);
+    float l = 0.f;
+    for (int c = 0; c < chunks; ++c) {
+      const int t = g * chunks + c;
+      const float w = std::exp(part_all[t * rep + r].ref - m);
+      l += part_all[t * rep + r].sum * w;
+      const float* o = o_all + (static_cast<int64_t>(t) * rep + r) * d;
+      for (int i = 0; i < d; ++i) acc[i] += o[i] * w;
     }
+    const float inv = 1.f / l;
+    float* dst = out + static_cast<int64_t>(row) * d;
+    for (int i = 0; i < d; ++i) dst[i] = acc[out_at(i)] * inv;
   }
 }
 

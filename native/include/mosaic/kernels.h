@@ -105,7 +105,8 @@ void decode_attention_bf16(const float* q, int heads, int head_dim, const uint16
                            int64_t k_head_stride, int64_t v_head_stride, int kv_heads, int length, float scale,
                            float* out, int threads, Isa isa);
 // The same over an int8 cache: key or value = code * its row's scale; k_scale / v_scale [kv_heads, length]
-// floats, heads scale_head_stride apart.
+// floats, heads scale_head_stride apart. Under Isa::Avx512Vnni (head_dim a multiple of 32) the products are
+// integer: the queries and each tile of probabilities are rounded to 16 bits (about 1e-4 of the output).
 void decode_attention_i8(const float* q, int heads, int head_dim, const int8_t* k, const int8_t* v,
                          int64_t k_head_stride, int64_t v_head_stride, const float* k_scale, const float* v_scale,
                          int64_t scale_head_stride, int kv_heads, int length, float scale, float* out, int threads,

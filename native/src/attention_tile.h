@@ -1,0 +1,126 @@
+// Pieces shared by the decode-attention tasks (attention.cpp, attention_i8.cpp): the online softmax over
+// one tile of 16 keys, its exp and the 16-way lane reductions. Internal to native/src.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "simd_avx512.h"
+
+namespace mosaic {
+namespace attention {
+
+constexpr int kChunk = 512;  // keys per task: 2 x 512 KB of f32 K and V at head_dim 256
+constexpr int kTile = 16;    // keys whose scores are exponentiated together (one zmm)
+constexpr int kMaxDim = 512;  // the widest head the AVX-512 tasks take
+constexpr int kMaxRep = 64;   // the most query heads a KV head they take
+// A task's reference max moves only when a score exceeds it by more than this, so most tiles need no
+// max reduction and no rescaling of the outputs; probabilities stay below e^8 (about 3000) before the
+// final normalisation.
+constexpr float kSlack = 8.f;
+
+struct Partial {  // one task's state for one query head: its probabilities' sum, relative to e^ref
+  float ref, sum;
+};
+
+struct RowScales {  // an int8 cache's per-row scales for one KV head (position j at k[j], v[j]); else null
+  const float* k = nullptr;
+  const float* v = nullptr;
+};
+
+// exp(x) for x <= kSlack (scores minus their reference max), to about 2 ulp: x = n ln2 + r, |r| <= ln2/2,
+// a degree-6 polynomial for e^r, then scaled by 2^n. Below -87 the result is 0 (a masked key's score is -inf).
+MOSAIC_AVX512 inline __m512 exp_scores(__m512 x) {
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2 split in two for accuracy
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
+}
+
+// S[j] = the sum of acc[j]'s 16 lanes, for 16 accumulators at once: pairwise adds through unpacks and
+// 128-bit block shuffles, 45 operations instead of 16 separate reductions (128).
+MOSAIC_AVX512 inline __m512 sum16x16(const __m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int j = 0; j < 8; ++j)  // per 128-bit block: [a2j partial, a2j+1 partial] x 2
+    b[j] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * j], a[2 * j + 1]), _mm512_unpackhi_ps(a[2 * j], a[2 * j + 1]));
+  for (int j = 0; j < 4; ++j) {  // per block: [a4j, a4j+1, a4j+2, a4j+3] partials
+    const __m512d x = _mm512_castps_pd(b[2 * j]), y = _mm512_castps_pd(b[2 * j + 1]);
+    c[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int j = 0; j < 2; ++j)
+    d[j] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * j], c[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(c[2 * j], c[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// The same for int32 lanes, exactly (the integer scores of attention_i8.cpp).
+MOSAIC_AVX512 inline __m512i sum16x16(const __m512i* a) {
+  __m512i b[8], c[4], d[2];
+  for (int j = 0; j < 8; ++j)
+    b[j] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * j], a[2 * j + 1]),
+                            _mm512_unpackhi_epi32(a[2 * j], a[2 * j + 1]));
+  for (int j = 0; j < 4; ++j)
+    c[j] = _mm512_add_epi32(_mm512_unpacklo_epi64(b[2 * j], b[2 * j + 1]),
+                            _mm512_unpackhi_epi64(b[2 * j], b[2 * j + 1]));
+  for (int j = 0; j < 2; ++j)
+    d[j] = _mm512_add_epi32(_mm512_shuffle_i32x4(c[2 * j], c[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_i32x4(c[2 * j], c[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_i32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// The online softmax of hb query heads over one tile: sc[h] are head h's scores (masked keys -inf).
+// ref, sums, o (hb rows of d floats) and probs belong to the block's first head. The block's heads go
+// step by step (the rare new reference, then exp), so their dependency chains overlap instead of running
+// one head after another. Leaves probs[h] = p * vscale: the value rows' scales ride on the probabilities
+// (p v_j s_j), not on the sums.
+MOSAIC_AVX512 inline void softmax_tile(const __m512* sc, int hb, float* ref, __m512* sums, float* o, int d,
+                                       __m512 vscale, float (*probs)[kTile]) {
+  for (int h = 0; h < hb; ++h) {
+    if (_mm512_cmp_ps_mask(sc[h], _mm512_set1_ps(ref[h] + kSlack), _CMP_GT_OQ)) {
+      // A new reference: the exact max so far. What was summed under the old one is scaled to the new
+      // (by 0 on the first tile, whose reference is -inf, where the outputs and sums are still 0).
+      const float m_new = std::max(ref[h], _mm512_reduce_max_ps(sc[h]));
+      const __m512 c = exp_scores(_mm512_set1_ps(ref[h] - m_new));
+      float* orow = o + static_cast<int64_t>(h) * d;
+      for (int i = 0; i < d; i += 16) _mm512_storeu_ps(orow + i, _mm512_mul_ps(_mm512_loadu_ps(orow + i), c));
+      sums[h] = _mm512_mul_ps(sums[h], c);
+      ref[h] = m_new;
+    }
+  }
+  for (int h = 0; h < hb; ++h) {
+    const __m512 p = exp_scores(_mm512_sub_ps(sc[h], _mm512_set1_ps(ref[h])));
+    sums[h] = _mm512_add_ps(sums[h], p);
+    _mm512_store_ps(probs[h], _mm512_mul_ps(p, vscale));
+  }
+}
+
+// One int8 task through AVX-512 VNNI integer dot products (attention_i8.cpp): rep query heads as int16
+// codes q16 (rep x d) with a scale each (qscale, the attention scale folded in), over keys [k0, k1) of
+// one KV head. Leaves unnormalised outputs in o (rep x d, in i8_order within each block of 32) and
+// max/sum in part. head_dim a multiple of 32, at most kMaxDim; rep at most kMaxRep.
+void task_i8_vnni(const int16_t* q16, const float* qscale, int rep, int d, const int8_t* k, const int8_t* v,
+                  RowScales rs, int k0, int k1, float* o, Partial* part);
+
+// Where task_i8_vnni keeps element i of an output row: each block of 32 holds elements 0-7, 16-23, then
+// 8-15, 24-31 (the order in which byte unpacks pair two value rows).
+inline int i8_order(int i) {
+  const int group = (i >> 3) & 3;
+  return group == 1 ? i + 8 : group == 2 ? i - 8 : i;
+}
+
+}  // namespace attention
+}  // namespace mosaic
