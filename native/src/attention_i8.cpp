@@ -149,7 +149,8 @@ MOSAIC_VNNI_ATTENTION void task(const int16_t* q16, const float* qscale, int rep
   alignas(64) float probs[kMaxRep][kTile];
   alignas(64) int16_t pcodes[kMaxRep][kTile];
   float pscale[kMaxRep];
-  alignas(64) __m512i a[4 * kTile];  // one head block's lane-partial scores
+  constexpr int kGroup = 8;  // heads scored before their softmax
+  alignas(64) __m512i a[kGroup * kTile];  // the group's lane-partial scores
   float ref[kMaxRep];
   __m512 sums[kMaxRep];
   for (int r = 0; r < rep; ++r) {
@@ -164,32 +165,37 @@ MOSAIC_VNNI_ATTENTION void task(const int16_t* q16, const float* qscale, int rep
     const int8_t* vt = v + static_cast<int64_t>(j0) * d;
     const __m512 kscale = _mm512_maskz_loadu_ps(live, rs.k + j0);
     const __m512 vscale = _mm512_maskz_loadu_ps(live, rs.v + j0);
-    for (int r0 = 0; r0 < rep; r0 += 4) {  // scores, one block of 4 heads at a time
-      const int hb = std::min(4, rep - r0);
-      const int16_t* qb = q16 + static_cast<int64_t>(r0) * d;
-      for (int j = 0; j < kTile; j += 4) {
-        if (j >= n) {
-          for (int h = 0; h < hb; ++h)
-            for (int jj = 0; jj < 4; ++jj) a[h * kTile + j + jj] = _mm512_setzero_si512();
-          continue;
+    for (int g0 = 0; g0 < rep; g0 += kGroup) {  // scores of a group of heads, in blocks of 4
+      const int gn = std::min(kGroup, rep - g0);
+      for (int r0 = g0; r0 < g0 + gn; r0 += 4) {
+        const int hb = std::min(4, g0 + gn - r0);
+        const int16_t* qb = q16 + static_cast<int64_t>(r0) * d;
+        __m512i* ab = a + (r0 - g0) * kTile;
+        for (int j = 0; j < kTile; j += 4) {
+          if (j >= n) {
+            for (int h = 0; h < hb; ++h)
+              for (int jj = 0; jj < 4; ++jj) ab[h * kTile + j + jj] = _mm512_setzero_si512();
+            continue;
+          }
+          const int8_t* const krow[4] = {  // rows past the tile's end repeat its last row, masked out below
+              kt + std::min(j, n - 1) * d, kt + std::min(j + 1, n - 1) * d, kt + std::min(j + 2, n - 1) * d,
+              kt + std::min(j + 3, n - 1) * d};
+          const bool ahead = r0 == 0;
+          if (hb == 4) score_block<4, D>(qb, d, krow, ab + j, ahead);
+          else if (hb == 3) score_block<3, D>(qb, d, krow, ab + j, ahead);
+          else if (hb == 2) score_block<2, D>(qb, d, krow, ab + j, ahead);
+          else score_block<1, D>(qb, d, krow, ab + j, ahead);
         }
-        const int8_t* const krow[4] = {  // rows past the tile's end repeat its last row, masked out below
-            kt + std::min(j, n - 1) * d, kt + std::min(j + 1, n - 1) * d, kt + std::min(j + 2, n - 1) * d,
-            kt + std::min(j + 3, n - 1) * d};
-        const bool ahead = r0 == 0;
-        if (hb == 4) score_block<4, D>(qb, d, krow, a + j, ahead);
-        else if (hb == 3) score_block<3, D>(qb, d, krow, a + j, ahead);
-        else if (hb == 2) score_block<2, D>(qb, d, krow, a + j, ahead);
-        else score_block<1, D>(qb, d, krow, a + j, ahead);
       }
-      __m512 sc[4];
-      for (int h = 0; h < hb; ++h) {
+      // The group's softmax in one pass, so its heads' dependency chains overlap.
+      __m512 sc[kGroup];
+      for (int h = 0; h < gn; ++h) {
         const __m512 dot = _mm512_cvtepi32_ps(sum16x16(a + h * kTile));
         sc[h] = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live,
-                                   _mm512_mul_ps(_mm512_mul_ps(dot, _mm512_set1_ps(qscale[r0 + h])), kscale));
+                                   _mm512_mul_ps(_mm512_mul_ps(dot, _mm512_set1_ps(qscale[g0 + h])), kscale));
       }
-      softmax_tile(sc, hb, ref + r0, sums + r0, o + static_cast<int64_t>(r0) * d, d, vscale, probs + r0);
-      for (int h = 0; h < hb; ++h) quantize_probs(probs[r0 + h], pcodes[r0 + h], pscale + r0 + h);
+      softmax_tile(sc, gn, ref + g0, sums + g0, o + static_cast<int64_t>(g0) * d, d, vscale, probs + g0);
+      for (int h = 0; h < gn; ++h) quantize_probs(probs[g0 + h], pcodes[g0 + h], pscale + g0 + h);
     }
     if (n == kTile) values<D, kTile>(o, rep, d, pcodes, pscale, vt, n);
     else values<D, 0>(o, rep, d, pcodes, pscale, vt, n);
