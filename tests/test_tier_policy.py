@@ -38,6 +38,19 @@ def test_decayed_frequency_keeps_the_currently_hot_experts():
     assert d.promote == [(0, 9)] and d.evict == [(0, 7)]
 
 
+def test_a_call_never_evicts_its_own_experts():
+    """Found by the trace test below. Two experts reach the threshold in one call with room for one: the
+    second must not evict the first (a copy made only to be dropped). And an expert promoted later in a
+    call must not evict one the same call runs as a hit."""
+    p = HitThreshold(budget_bytes=1 * REC, record_bytes=REC)
+    for _ in range(2):
+        p.access(0, [0, 1])
+    d = p.access(0, [0, 1])
+    assert d.promote == [(0, 0)] and d.evict == [] and p.resident == {(0, 0)}
+    d = p.access(0, [1, 0])  # 1 is due, but the only resident is this call's hit
+    assert d.hits == [0] and d.promote == [] and d.evict == []
+
+
 def test_zero_budget_promotes_nothing():
     for policy in (HitThreshold(0, REC), DecayedFrequency(REC - 1, REC)):
         for _ in range(5):

@@ -75,6 +75,7 @@ class HitThreshold(_Budgeted):
     def access(self, layer: int, experts: Sequence[int]) -> TierDecision:
         c = self.counters[layer]
         decision = TierDecision(hits=[])
+        now = {(layer, e) for e in experts}  # never evicted by this call
         for e in experts:
             key = (layer, e)
             self.seen[key] += 1
@@ -87,7 +88,11 @@ class HitThreshold(_Budgeted):
             if self.capacity == 0 or self.seen[key] < self.threshold:
                 continue
             if len(self._lru) >= self.capacity:
-                victim, _ = self._lru.popitem(last=False)
+                # never an expert of this same call: it runs now (a hit) or was just promoted
+                victim = next((k for k in self._lru if k not in now), None)
+                if victim is None:
+                    continue
+                del self._lru[victim]
                 decision.evict.append(victim)
                 self.counters[victim[0]].evictions += 1
             self._lru[key] = None
@@ -142,6 +147,7 @@ class DecayedFrequency(_Budgeted):
             self.token += 1
         c = self.counters[layer]
         decision = TierDecision(hits=[])
+        now = {(layer, e) for e in experts}  # never evicted by this call
         for e in experts:
             key = (layer, e)
             value = self._value(key) + 1.0
@@ -159,8 +165,8 @@ class DecayedFrequency(_Budgeted):
                 continue
             if len(self._resident) >= self.capacity:
                 victim = self._lowest_resident()
-                if self._value(victim) >= value:
-                    continue  # every resident is used more: keep them
+                if self._value(victim) >= value or victim in now:
+                    continue  # every resident is used more, or the lowest is one of this call's: keep them
                 self._resident.remove(victim)
                 decision.evict.append(victim)
                 self.counters[victim[0]].evictions += 1
