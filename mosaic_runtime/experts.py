@@ -81,14 +81,34 @@ class NativeExperts:
 
     def decode(self, layer: int, xs: np.ndarray, w: np.ndarray, ids: list[int]) -> np.ndarray:
         """One token's experts: xs [1, H], its routing weights w [k] and expert ids [k] -> [1, H]."""
-        order = sorted(range(len(ids)), key=ids.__getitem__)  # ascending ids: the combine order
-        k = len(ids)
+        y = np.zeros_like(xs)
+        self.add_decode(layer, xs[0], np.asarray(w, np.float32), np.asarray(ids, np.int32), y[0])
+        return y
+
+    def add_decode(self, layer: int, h: np.ndarray, w: np.ndarray, ids: np.ndarray, x: np.ndarray) -> None:
+        """x [H] += sum_k w[k] expert_ids[k](h) for one token (float32 h [H], w [k]; int32 ids [k]), in
+        ascending expert id: the native decode step adds a layer's experts straight into its residual
+        stream. When every record is in the ring already (a model that fits in RAM, once preloaded) the
+        kernel runs on the slots as they are, with none of acquire's pinning and read bookkeeping."""
+        order = np.argsort(ids, kind="stable")
+        experts = ids[order].tolist()
+        k = len(experts)
         if k not in self._decode_tasks:
             self._decode_tasks[k] = (np.ones(k, np.int32), np.zeros(k, np.int32))
         counts, tokens = self._decode_tasks[k]
-        y = np.zeros_like(xs)
-        self._run_group(layer, [ids[j] for j in order], counts, tokens, np.ascontiguousarray(w[order]), xs, y)
-        return y
+        weights = np.ascontiguousarray(w[order], np.float32)
+        xs, y = h[None], x[None]
+        slots = self.store.resident(layer, experts)
+        if slots is None:
+            self._run_group(layer, experts, counts, tokens, weights, xs, y)
+            return
+        failed, _, total_s = self._k.moe_experts_ring(
+            self.isa, self.threads, int(self.layout.quant), int(self.layout.scale_dtype), self.layout.hidden,
+            self.layout.intermediate, self.store.ring.native, np.asarray(slots, np.int32), counts, tokens, weights,
+            xs, y, self._scratch_for(k, 1))
+        self.kernel_s += total_s
+        if failed >= 0:
+            raise RuntimeError(f"layer {layer}: expert {experts[failed]}'s slot held no record")
 
     def run(self, layer: int, xs: np.ndarray, ids: np.ndarray, w: np.ndarray, experts: list[int]) -> np.ndarray:
         """sum over `experts` (ascending ids, a subset of those routed) of w * expert(x), as float32 [T, H]."""

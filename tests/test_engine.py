@@ -42,8 +42,16 @@ def test_logits_bit_identical_whatever_the_ring_size_and_io(model_dir):
     tiny = Engine.open(model_dir, ram_budget=2 * rec, io="buffered", max_seq=64)  # one layer's top-2 only
     full = Engine.open(model_dir, ram_budget=1 << 30, io="direct", max_seq=64)
     assert tiny.store.ring.n_slots == 2 and full.store.ring.n_slots == 3 * 8
+    resident = []  # what the decode steps' fast path found: every record held (full), or not (tiny)
+    for engine in (tiny, full):
+        def spy(layer, experts, store=engine.store, real=engine.store.resident):
+            resident.append((store, real(layer, experts)))
+            return resident[-1][1]
+        engine.store.resident = spy
     a, b = run(tiny), run(full)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(slots is None for store, slots in resident if store is tiny.store)
+    assert any(slots is not None for store, slots in resident if store is full.store)
     direct_tiny = Engine.open(model_dir, ram_budget=2 * rec, io="direct", max_seq=64)
     assert all(torch.equal(x, y) for x, y in zip(a, run(direct_tiny)))
     assert tiny.store.ring.mode == "buffered" and direct_tiny.store.ring.mode == "direct"

@@ -63,6 +63,18 @@ class ExpertStore:
             slots.append(slot)
         return slots
 
+    def resident(self, layer: int, experts: list[int]) -> list[int] | None:
+        """The slots of `experts` when every record is held and checked (no read pending), counted as hits
+        and made most recent; else None, with nothing counted or changed (acquire then takes over). They
+        are not pinned: nothing is read until the caller's kernel returns, so nothing can evict them."""
+        where = self.policy.where
+        slots = [where.get((layer, e)) for e in experts]
+        if None in slots or any(slot in self._reading for slot in slots):
+            return None
+        for e in experts:
+            self.policy.lookup((layer, e))
+        return slots
+
     def _submit(self, slot: int, key: tuple[int, int], background: bool = False) -> None:
         entry = self.vault.entry(*key)
         self.ring.submit(slot, entry.offset, entry.length, entry.crc32, background)

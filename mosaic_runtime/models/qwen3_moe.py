@@ -128,14 +128,17 @@ class Qwen3Moe:
         cos, signed_sin = self.rotary.cos[pos].numpy(), self.rotary.signed_sin[pos].numpy()
         # Q4 projections want the VNNI kernel; bf16, int8, fp8 and attention run the same AVX-512 code under it.
         isa, n_threads = Q4_ISA, threads()
+        add_experts = getattr(self.experts, "add_decode", None)
         for i, (layer, native) in enumerate(zip(self.layers, self.native_layers)):
             native(isa, n_threads, x, h, pos, cos, signed_sin, run[0][i].numpy(), run[1][i].numpy(), weights, ids,
                    self._scratch)
-            ht = torch.from_numpy(h)[None]
             if layer.mlp is not None:
-                x += swiglu(ht, *layer.mlp)[0].numpy()
+                x += swiglu(torch.from_numpy(h)[None], *layer.mlp)[0].numpy()
+            elif add_experts is not None:  # the executor adds the experts into x itself
+                add_experts(i, h, weights, ids, x)
             else:
-                x += self.experts(i, ht, torch.from_numpy(weights)[None], torch.from_numpy(ids)[None])[0].numpy()
+                x += self.experts(i, torch.from_numpy(h)[None], torch.from_numpy(weights)[None],
+                                  torch.from_numpy(ids)[None])[0].numpy()
         self.kv.length = pos + 1
         return linear(rms_norm(torch.from_numpy(x)[None], self.norm, self.eps), self.lm_head).float()
 
