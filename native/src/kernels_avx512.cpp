@@ -109,7 +109,9 @@ struct QuantisedX {
   std::vector<float> off;    // [n][groups * 16]: 8 * sx * sum(q) per block
 };
 
-static void quantise_x(const MatvecArgs& a, int pairs, int groups, QuantisedX& out) {
+// In vector ops (it runs once per matvec call: 24 times a MoE layer per token): the same codes as
+// rounding each x * inv to nearest even, one block of 32 at a time.
+MOSAIC_VNNI static void quantise_x(const MatvecArgs& a, int pairs, int groups, QuantisedX& out) {
   const size_t per_q = static_cast<size_t>(pairs) * 64, per_b = static_cast<size_t>(groups) * kGroup;
   out.q.assign(per_q * a.n, 0);  // capacity is kept across calls: no allocation once warm
   out.sx.assign(per_b * a.n, 0.f);
@@ -119,18 +121,18 @@ static void quantise_x(const MatvecArgs& a, int pairs, int groups, QuantisedX& o
     int8_t* q = out.q.data() + per_q * t;
     for (int b = 0; b * kQ4 < a.cols; ++b) {
       const int c0 = b * kQ4, len = std::min(kQ4, a.cols - c0);
-      float amax = 0.f;
-      for (int j = 0; j < len; ++j) amax = std::max(amax, std::fabs(x[c0 + j]));
+      const __mmask16 m0 = len >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << len) - 1);
+      const __mmask16 m1 = len >= 32 ? 0xFFFF : len > 16 ? static_cast<__mmask16>((1u << (len - 16)) - 1) : 0;
+      const __m512 x0 = _mm512_maskz_loadu_ps(m0, x + c0), x1 = _mm512_maskz_loadu_ps(m1, x + c0 + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
       const float sx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      int8_t* pair = q + (b / 2) * 64 + (b % 2) * 16;
-      int32_t sum = 0;
-      for (int j = 0; j < len; ++j) {
-        const int8_t v = static_cast<int8_t>(std::nearbyint(x[c0 + j] * inv));
-        pair[j < 16 ? j : j + 16] = v;  // elements 16..31 sit after the other block's 0..15
-        sum += v;
-      }
+      const __m512i v0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(inv)));  // MXCSR: nearest even
+      const __m512i v1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(inv)));
+      int8_t* pair = q + (b / 2) * 64 + (b % 2) * 16;  // elements 16..31 sit after the other block's 0..15
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(pair), _mm512_cvtsepi32_epi8(v0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(pair + 32), _mm512_cvtsepi32_epi8(v1));
       out.sx[per_b * t + b] = sx;
-      out.off[per_b * t + b] = 8.f * sx * static_cast<float>(sum);
+      out.off[per_b * t + b] = 8.f * sx * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1)));
     }
   }
 }
