@@ -64,16 +64,24 @@ def main() -> None:
     model.route = timed(lambda *a: "router", model.route)
     model.rotary.apply = timed(lambda *a: "rotary", model.rotary.apply)
     model.kv.store = timed(lambda *a: "kv store", model.kv.store)
-    if getattr(model, "native_layers", None) is not None:  # the fused decode step (attention block + router)
-        model.native_layers = [timed(lambda *a: "native attention block + router", n) for n in model.native_layers]
+    if getattr(model, "native_layers", None) is not None:  # the native layer loop (decode_token.cpp)
+        module.decode_layers = timed(lambda *a: "native layer loop", module.decode_layers)
         if args.torch_path:
             model.use_native_decode = False
     experts = model.experts
+    loop_kernel = [0.0]  # the experts' kernel time inside the native layer loop
+
+    def loop_ran(layers, ids, kernel_s):
+        loop_kernel[0] += kernel_s
+        experts.ran_natively(layers, ids, kernel_s)
 
     class TimedExperts:  # the engine also reads the executor's counters (kernel_s)
         __call__ = staticmethod(timed(lambda *a: "experts", experts))
-        if hasattr(experts, "add_decode"):  # the native decode step's way in
+        if hasattr(experts, "add_decode"):  # the native decode step's way in, layer by layer
             add_decode = staticmethod(timed(lambda *a: "experts", experts.add_decode))
+        if hasattr(experts, "native_loop"):
+            native_loop = staticmethod(experts.native_loop)
+            ran_natively = staticmethod(timed(lambda *a: "experts", loop_ran))
 
         def __getattr__(self, name):
             return getattr(experts, name)
@@ -91,6 +99,7 @@ def main() -> None:
         model.forward(torch.tensor([token]), pos)
         pos += 1
     spent.clear()
+    loop_kernel[0] = 0.0
     kernel0, io0 = experts.kernel_s, engine.store.io.io_s if engine.store else 0.0
     t0 = time.perf_counter()
     for token in timed_ids:
@@ -100,9 +109,12 @@ def main() -> None:
     per = {k: v / args.tokens for k, v in spent.items()}
     kernel = (experts.kernel_s - kernel0) / args.tokens
     io = ((engine.store.io.io_s if engine.store else 0.0) - io0) / args.tokens
-    rows = [(k, v) for k, v in per.items() if k != "experts"]
+    in_loop = loop_kernel[0] / args.tokens  # counted in "native layer loop", and in kernel
+    rows = [(k, v) for k, v in per.items() if k not in ("experts", "native layer loop")]
+    if "native layer loop" in per:
+        rows.append(("native layer loop: attention blocks, routers", per["native layer loop"] - in_loop))
     rows += [("expert kernel (native)", kernel), ("expert read wait", io),
-             ("experts: Python side", per.get("experts", 0.0) - kernel - io)]
+             ("experts: Python side", per.get("experts", 0.0) - (kernel - in_loop) - io)]
     rows.append(("glue (embedding, residuals, loop)", total - sum(per.values())))
     bw = bandwidth(args.threads or os.cpu_count() or 1)
     need = mosaic_token_bytes(engine)

@@ -110,6 +110,19 @@ class NativeExperts:
         if failed >= 0:
             raise RuntimeError(f"layer {layer}: expert {experts[failed]}'s slot held no record")
 
+    def native_loop(self, top_k: int) -> tuple:
+        """What the native layer loop (decode_layers) needs to run a decode step's experts itself from the
+        records the ring holds: kernel settings, the ring and the store's slot table."""
+        return (self.isa, self.threads, int(self.layout.quant), int(self.layout.scale_dtype), self.layout.hidden,
+                self.layout.intermediate, self.store.ring.native, self.store.slot_table, self._scratch_for(top_k, 1))
+
+    def ran_natively(self, layers, topk_ids: np.ndarray, kernel_s: float) -> None:
+        """Account what the native layer loop ran for `layers`: each one's experts (topk_ids[layer]) as ring
+        hits, made most recent in ascending id as add_decode would, and the kernel's time."""
+        for layer in layers:
+            self.store.used(layer, sorted(topk_ids[layer].tolist()))
+        self.kernel_s += kernel_s
+
     def run(self, layer: int, xs: np.ndarray, ids: np.ndarray, w: np.ndarray, experts: list[int]) -> np.ndarray:
         """sum over `experts` (ascending ids, a subset of those routed) of w * expert(x), as float32 [T, H]."""
         per = [np.nonzero(ids == e) for e in experts]

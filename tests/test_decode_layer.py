@@ -1,6 +1,7 @@
 """The native decode step (native/src/decode_layer.cpp: a Qwen3-MoE layer's attention block and router in
-one call) against the torch path it replaces, for every backbone precision, dense and MoE layers, and a
-cache whose pages are out of order (which falls back to the torch path)."""
+one call; decode_token.cpp: the layer loop, experts included) against the torch path it replaces, for
+every backbone precision, dense and MoE layers, and a cache whose pages are out of order (which falls
+back to the torch path)."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch
 from builders import random_qwen3_moe
 from mosaic_runtime.engine import Engine
 from mosaic_runtime.kv_cache import KVCache
+from mosaic_runtime.models import qwen3_moe
 from mosaic_shatter.convert import convert
 
 PROMPT = [5, 17, 101, 64, 3, 250, 77, 9]
@@ -40,21 +42,26 @@ def test_native_decode_step_matches_the_torch_path(model_dir, backbone):
     torch.testing.assert_close(native, reference, atol=ATOL, rtol=0)
 
 
-def test_native_step_is_used_and_writes_the_same_cache(model_dir):
+def test_native_step_is_used_and_writes_the_same_cache(model_dir, monkeypatch):
+    """Every layer of every step goes through the native loop (decode_layers), which stops at the dense
+    layer and resumes after it; the cache it writes is the torch path's."""
     pools = {}
     for native in (True, False):
         with Engine.open(model_dir, max_seq=64) as engine:
-            calls = []
-            layers = engine.model.native_layers
-            engine.model.native_layers = [lambda *a, n=n: (calls.append(1), n(*a))[1] for n in layers]
+            ran = []  # the layers each decode_layers call went through
+            def spy(layers, first, *args, real=qwen3_moe.decode_layers):
+                stop, kernel_s = real(layers, first, *args)
+                ran.extend(range(first, min(stop + 1, len(layers))))
+                return stop, kernel_s
+            monkeypatch.setattr(qwen3_moe, "decode_layers", spy)
             decode(engine, native)
-            assert len(calls) == (STEPS * len(layers) if native else 0)
+            assert ran == (list(range(len(engine.model.layers))) * STEPS if native else [])
             pools[native] = engine.model.kv.k.clone(), engine.model.kv.v.clone()
     for a, b in zip(pools[True], pools[False]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
-def test_out_of_order_pages_fall_back_to_torch(model_dir):
+def test_out_of_order_pages_fall_back_to_torch(model_dir, monkeypatch):
     """Small pages, so a sequence spans several: in order they run natively; out of order (not one run)
     the step takes the torch path, with the same logits."""
     with Engine.open(model_dir, max_seq=64) as engine:
@@ -68,12 +75,12 @@ def test_out_of_order_pages_fall_back_to_torch(model_dir):
                 model.kv.pages = list(pages)
                 model.kv.free = [p for p in range(16) if p not in pages]
             calls = []
-            layers = model.native_layers
-            model.native_layers = [lambda *a, n=n: (calls.append(1), n(*a))[1] for n in layers]
+            monkeypatch.setattr(qwen3_moe, "decode_layers",
+                                lambda *a, real=qwen3_moe.decode_layers: (calls.append(1), real(*a))[1])
             out = [model.forward(torch.tensor(PROMPT), 0)[-1]]
             for pos, token in enumerate(ids[len(PROMPT):], start=len(PROMPT)):
                 out.append(model.forward(torch.tensor([token]), pos)[-1])
-            model.native_layers = layers
+            monkeypatch.undo()
             runs.append((torch.stack(out), len(calls)))
         assert runs[0][1] > 0 and runs[1][1] == 0
         model.kv.reset()
@@ -84,3 +91,21 @@ def test_out_of_order_pages_fall_back_to_torch(model_dir):
 def test_bf16_kv_cache_keeps_the_torch_path(model_dir):
     with Engine.open(model_dir, max_seq=64, kv_dtype="bfloat16") as engine:
         assert engine.model.native_layers is None
+
+
+def test_layer_loop_refuses_a_slot_table_past_the_ring(model_dir):
+    """decode_layers trusts slot_table's slots to hold records: one past the ring is refused, not read."""
+    import numpy as np
+    with Engine.open(model_dir, max_seq=64) as engine:
+        model = engine.model
+        model.kv.reserve(1)
+        k_run, v_run = (t.numpy() for t in model.kv.contiguous_run())
+        plan = list(model.experts.native_loop(model.top_k))
+        plan[7] = np.full_like(plan[7], engine.store.ring.n_slots)
+        n, h = len(model.layers), model.embed.shape[1]
+        x = np.zeros(h, np.float32)
+        with pytest.raises(ValueError, match="slot out of range"):
+            qwen3_moe.decode_layers(model.native_layers, 0, 0, 1, x, np.empty_like(x), 0, model.rotary.cos[0].numpy(),
+                                    model.rotary.signed_sin[0].numpy(), k_run, v_run,
+                                    np.empty((n, model.top_k), np.float32), np.empty((n, model.top_k), np.int32),
+                                    model._scratch, tuple(plan))

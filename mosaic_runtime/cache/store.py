@@ -17,6 +17,8 @@ import os
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..vault.format import Reason, VaultError
 from .policy import LRUPolicy
 from .ring import Ring, SlotState
@@ -41,6 +43,10 @@ class ExpertStore:
         self._pinned: set[int] = set()
         # slot -> (key, whether preload started it): reads not yet accounted by finish
         self._reading: dict[int, tuple[tuple[int, int], bool]] = {}
+        # slot_table[layer, expert]: the slot whose record is held and checked (read, accounted, not
+        # evicted), else -1. The native layer loop reads it to run a layer's experts without asking.
+        self.slot_table = np.full((vault.header.num_layers, vault.header.num_experts), -1, np.int32)
+        self._key_at: dict[int, tuple[int, int]] = {}  # slot -> the key placed in it
 
     def acquire(self, layer: int, experts: list[int]) -> list[int]:
         """Slots for the records of `experts` (in that order), pinned; missing ones are being read."""
@@ -49,7 +55,7 @@ class ExpertStore:
             key = (layer, e)
             slot = self.policy.lookup(key)
             if slot is None:
-                slot = self.policy.place(key, self._pinned)
+                slot = self._place(key)
                 self._submit(slot, key)
             elif slot in self._reading:  # a preload read: queued, in flight or arrived, not yet accounted
                 state = self.ring.state(slot)
@@ -67,13 +73,26 @@ class ExpertStore:
         """The slots of `experts` when every record is held and checked (no read pending), counted as hits
         and made most recent; else None, with nothing counted or changed (acquire then takes over). They
         are not pinned: nothing is read until the caller's kernel returns, so nothing can evict them."""
-        where = self.policy.where
-        slots = [where.get((layer, e)) for e in experts]
-        if None in slots or any(slot in self._reading for slot in slots):
+        slots = self.slot_table[layer, experts]
+        if (slots < 0).any():
             return None
+        self.used(layer, experts)
+        return slots.tolist()
+
+    def used(self, layer: int, experts) -> None:
+        """Account experts run from their held records without acquire (resident, the native layer loop):
+        hits, and most recently used, in that order."""
         for e in experts:
             self.policy.lookup((layer, e))
-        return slots
+
+    def _place(self, key: tuple[int, int]) -> int:
+        """A slot for key (policy.place); whatever it held before is no longer held."""
+        slot = self.policy.place(key, self._pinned)
+        old = self._key_at.get(slot)
+        if old is not None:
+            self.slot_table[old] = -1
+        self._key_at[slot] = key
+        return slot
 
     def _submit(self, slot: int, key: tuple[int, int], background: bool = False) -> None:
         entry = self.vault.entry(*key)
@@ -92,7 +111,7 @@ class ExpertStore:
         for key in keys:
             if key in self.policy.where:
                 continue
-            slot = self.policy.place(key, self._pinned)  # a free slot: the ring holds them all
+            slot = self._place(key)  # a free slot: the ring holds them all
             self._submit(slot, key, background=True)
             started += 1
         return started
@@ -128,9 +147,12 @@ class ExpertStore:
             if self.ring.state(slot) == SlotState.FAILED:
                 self.ring.set_state(slot, SlotState.EMPTY)
                 self.policy.forget(key)  # its slot must not look valid to a later lookup
+                self._key_at.pop(slot, None)
                 self._pinned.discard(slot)
                 error = error or self._read_error(key, *self.ring.failure(slot))
-            elif background:
+                continue
+            self.slot_table[key] = slot
+            if background:
                 self.io.preload_bytes += self.ring.slot_bytes
             else:
                 self.io.bytes_read += self.ring.slot_bytes

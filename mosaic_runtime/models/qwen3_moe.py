@@ -19,6 +19,8 @@ from ..kv_cache import KVCache
 from ..routing import ROUTERS
 from .base import Rotary, cached_attention, rms_norm, swiglu
 
+decode_layers = _native.kernels.decode_layers  # a module name, so benchmarks/token_profile.py can time it
+
 
 @dataclass
 class Layer:
@@ -121,24 +123,39 @@ class Qwen3Moe:
     def _decode_native(self, token: int, pos: int, run: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """One decode step through the native layers, its page already reserved and `run` the cache's
         contiguous views; the same result as the torch path of forward() within float rounding
-        (tests/test_decode_layer.py holds them together)."""
+        (tests/test_decode_layer.py holds them together).
+
+        decode_layers runs the layers in one native call, each MoE layer's experts included while the
+        executor can hand it their records (native_loop); it returns at the first layer it cannot finish
+        (a dense MLP, an expert not in the ring), which runs here, and is called again from the next."""
         x = self.embed[token].to(torch.float32).numpy().copy()  # [H], updated in place layer by layer
         h = np.empty_like(x)
-        weights, ids = np.empty(self.top_k, np.float32), np.empty(self.top_k, np.int32)
+        n = len(self.layers)
+        weights, ids = np.empty((n, self.top_k), np.float32), np.empty((n, self.top_k), np.int32)
         cos, signed_sin = self.rotary.cos[pos].numpy(), self.rotary.signed_sin[pos].numpy()
         # Q4 projections want the VNNI kernel; bf16, int8, fp8 and attention run the same AVX-512 code under it.
         isa, n_threads = Q4_ISA, threads()
+        native_loop = getattr(self.experts, "native_loop", None)
+        experts = native_loop(self.top_k) if native_loop is not None else None
         add_experts = getattr(self.experts, "add_decode", None)
-        for i, (layer, native) in enumerate(zip(self.layers, self.native_layers)):
-            native(isa, n_threads, x, h, pos, cos, signed_sin, run[0][i].numpy(), run[1][i].numpy(), weights, ids,
-                   self._scratch)
+        k_run, v_run = run[0].numpy(), run[1].numpy()
+        first = 0
+        while True:
+            stop, kernel_s = decode_layers(self.native_layers, first, isa, n_threads, x, h, pos, cos, signed_sin, k_run,
+                                           v_run, weights, ids, self._scratch, experts)
+            if experts is not None:
+                self.experts.ran_natively(range(first, stop), ids, kernel_s)
+            if stop == n:
+                break
+            layer = self.layers[stop]
             if layer.mlp is not None:
                 x += swiglu(torch.from_numpy(h)[None], *layer.mlp)[0].numpy()
             elif add_experts is not None:  # the executor adds the experts into x itself
-                add_experts(i, h, weights, ids, x)
+                add_experts(stop, h, weights[stop], ids[stop], x)
             else:
-                x += self.experts(i, torch.from_numpy(h)[None], torch.from_numpy(weights)[None],
-                                  torch.from_numpy(ids)[None])[0].numpy()
+                x += self.experts(stop, torch.from_numpy(h)[None], torch.from_numpy(weights[stop])[None],
+                                  torch.from_numpy(ids[stop])[None])[0].numpy()
+            first = stop + 1
         self.kv.length = pos + 1
         return linear(rms_norm(torch.from_numpy(x)[None], self.norm, self.eps), self.lm_head).float()
 

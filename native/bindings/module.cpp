@@ -5,6 +5,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <string>
 #include <tuple>
@@ -204,6 +205,38 @@ void init_kernels(nb::module_& m) {
   using Floats1Out = nb::ndarray<float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
   using Ints1Out = nb::ndarray<int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
   using AnyMatrix = nb::ndarray<nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+  // A layer's cache rows for one call: a [kv_heads, rows, head_dim] float32 view, or layer i of a
+  // [layers, kv_heads, rows, head_dim] run.
+  struct CacheView {
+    const float* data;
+    size_t heads, rows, dim;
+    int64_t head_stride, row_stride, col_stride;
+    static CacheView of(const F32Cache& c) {
+      return {c.data(), c.shape(0), c.shape(1), c.shape(2), c.stride(0), c.stride(1), c.stride(2)};
+    }
+    static CacheView of(const nb::ndarray<const float, nb::ndim<4>, nb::device::cpu>& r, size_t i) {
+      return {r.data() + static_cast<int64_t>(i) * r.stride(0), r.shape(1), r.shape(2), r.shape(3), r.stride(1),
+              r.stride(2), r.stride(3)};
+    }
+  };
+  // Checks one call's shapes against the layer and points it at its cache rows (both entry points).
+  auto bind_layer = [](DecodeLayer& L, size_t x_size, size_t h_size, int pos, size_t cos_size, size_t sin_size,
+                       CacheView kc, CacheView vc, size_t scratch_floats) {
+    const size_t d = static_cast<size_t>(L.head_dim);
+    check(x_size == static_cast<size_t>(L.hidden) && h_size == x_size, "DecodeLayer: x/h size");
+    check(cos_size == static_cast<size_t>(L.rot_dim) && sin_size == cos_size, "DecodeLayer: rope tables");
+    check(kc.heads == static_cast<size_t>(L.kv_heads) && kc.dim == d && vc.heads == kc.heads && vc.dim == d &&
+              pos >= 0 && static_cast<size_t>(pos) < kc.rows && static_cast<size_t>(pos) < vc.rows,
+          "DecodeLayer: cache run shape");
+    check(kc.col_stride == 1 && kc.row_stride == static_cast<int64_t>(d) && vc.col_stride == 1 &&
+              vc.row_stride == static_cast<int64_t>(d), "DecodeLayer: cache rows must be contiguous");
+    check(scratch_floats >= decode_layer_scratch_floats(L), "DecodeLayer: scratch too small");
+    // The cache arrays are read-only views for nanobind; this call is their one writer.
+    L.k_cache = const_cast<float*>(kc.data);
+    L.v_cache = const_cast<float*>(vc.data);
+    L.k_head_stride = kc.head_stride;
+    L.v_head_stride = vc.head_stride;
+  };
   nb::class_<PyDecodeLayer>(k, "DecodeLayer")
       .def("__init__", [](PyDecodeLayer* self, nb::dict g, Floats1 input_norm, Floats1 post_norm, Floats1 q_norm,
                           Floats1 k_norm, nb::tuple q, nb::tuple kk, nb::tuple v, nb::tuple o, nb::tuple router) {
@@ -266,33 +299,87 @@ void init_kernels(nb::module_& m) {
         }
       })
       .def_prop_ro("scratch_floats", [](const PyDecodeLayer& self) { return decode_layer_scratch_floats(self.layer); })
-      .def("__call__", [](PyDecodeLayer& self, int isa, int threads, Floats1Out x, Floats1Out h, int pos, Floats1 cos,
-                          Floats1 signed_sin, F32Cache k_cache, F32Cache v_cache, Floats1Out topk_weights,
-                          Ints1Out topk_ids, Scratch scratch) {
+      .def("__call__", [bind_layer](PyDecodeLayer& self, int isa, int threads, Floats1Out x, Floats1Out h, int pos,
+                                    Floats1 cos, Floats1 signed_sin, F32Cache k_cache, F32Cache v_cache,
+                                    Floats1Out topk_weights, Ints1Out topk_ids, Scratch scratch) {
         DecodeLayer& L = self.layer;
-        const size_t d = static_cast<size_t>(L.head_dim);
-        check(x.shape(0) == static_cast<size_t>(L.hidden) && h.shape(0) == x.shape(0), "DecodeLayer: x/h size");
-        check(cos.shape(0) == static_cast<size_t>(L.rot_dim) && signed_sin.shape(0) == cos.shape(0),
-              "DecodeLayer: rope tables");
-        check(k_cache.shape(0) == static_cast<size_t>(L.kv_heads) && k_cache.shape(2) == d &&
-                  v_cache.shape(0) == k_cache.shape(0) && v_cache.shape(2) == d && pos >= 0 &&
-                  static_cast<size_t>(pos) < k_cache.shape(1) && static_cast<size_t>(pos) < v_cache.shape(1),
-              "DecodeLayer: cache run shape");
-        check(k_cache.stride(2) == 1 && k_cache.stride(1) == static_cast<int64_t>(d) && v_cache.stride(2) == 1 &&
-                  v_cache.stride(1) == static_cast<int64_t>(d), "DecodeLayer: cache rows must be contiguous");
+        bind_layer(L, x.shape(0), h.shape(0), pos, cos.shape(0), signed_sin.shape(0), CacheView::of(k_cache),
+                   CacheView::of(v_cache), scratch.shape(0));
         check(L.router.rows == 0 || (topk_weights.shape(0) == static_cast<size_t>(L.top_k) &&
                                      topk_ids.shape(0) == topk_weights.shape(0)), "DecodeLayer: top-k size");
-        check(scratch.shape(0) >= decode_layer_scratch_floats(L), "DecodeLayer: scratch too small");
         check(isa_available(Isa(isa)), "DecodeLayer: this CPU lacks that ISA");
-        // The cache arrays are read-only views for nanobind; this call is their one writer.
-        L.k_cache = const_cast<float*>(k_cache.data());
-        L.v_cache = const_cast<float*>(v_cache.data());
-        L.k_head_stride = k_cache.stride(0);
-        L.v_head_stride = v_cache.stride(0);
         nb::gil_scoped_release release;
         decode_layer(L, x.data(), h.data(), pos, cos.data(), signed_sin.data(), topk_weights.data(), topk_ids.data(),
                      scratch.data(), threads, Isa(isa));
       });
+  // A decode step's layer loop (native/src/decode_token.cpp): layers[first:] with their caches at
+  // k_run[i] / v_run[i] ([layers, kv_heads, rows, head_dim]) and, unless experts is None, each MoE layer's
+  // experts from the ring: experts = (isa, threads, quant, scale_dtype, hidden, intermediate, ring,
+  // slot_of [layers, n_experts] int32, scratch). Returns (the layer left to the caller or len(layers),
+  // the experts' kernel seconds).
+  using F32Run = nb::ndarray<const float, nb::ndim<4>, nb::device::cpu>;
+  using Floats2Out = nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+  using Ints2Out = nb::ndarray<int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+  using Ints2 = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+  k.def("decode_layers", [bind_layer](std::vector<PyDecodeLayer*> layers, int first, int isa, int threads,
+                                      Floats1Out x, Floats1Out h, int pos, Floats1 cos, Floats1 signed_sin,
+                                      F32Run k_run, F32Run v_run, Floats2Out topk_weights, Ints2Out topk_ids,
+                                      Scratch scratch, nb::object experts) {
+    const size_t n = layers.size();
+    check(first >= 0 && static_cast<size_t>(first) <= n && k_run.shape(0) == n && v_run.shape(0) == n,
+          "decode_layers: one cache run per layer");
+    check(isa_available(Isa(isa)), "decode_layers: this CPU lacks that ISA");
+    std::vector<DecodeLayer> native(n);
+    for (size_t i = 0; i < n; ++i) {
+      check(layers[i] != nullptr, "decode_layers: a layer is None");
+      DecodeLayer& L = layers[i]->layer;
+      bind_layer(L, x.shape(0), h.shape(0), pos, cos.shape(0), signed_sin.shape(0), CacheView::of(k_run, i),
+                 CacheView::of(v_run, i), scratch.shape(0));
+      check(L.router.rows == 0 || (topk_weights.shape(0) == n && topk_weights.shape(1) == static_cast<size_t>(L.top_k) &&
+                                   topk_ids.shape(0) == n && topk_ids.shape(1) == topk_weights.shape(1)),
+            "decode_layers: top-k arrays [layers, top_k]");
+      native[i] = L;
+    }
+    LoopExperts loop{};
+    Ints2 slot_of;
+    if (!experts.is_none()) {
+      nb::tuple t = nb::cast<nb::tuple>(experts);
+      check(t.size() == 9, "decode_layers: experts = (isa, threads, quant, scale_dtype, hidden, intermediate, ring, "
+                           "slot_of, scratch)");
+      loop.isa = Isa(nb::cast<int>(t[0]));
+      loop.threads = nb::cast<int>(t[1]);
+      const uint32_t quant = nb::cast<uint32_t>(t[2]), hidden = nb::cast<uint32_t>(t[4]);
+      loop.layout = layout_of(quant, nb::cast<uint32_t>(t[3]), hidden, nb::cast<uint32_t>(t[5]));
+      loop.quant = QuantType(quant);
+      const ExpertRing& ring = nb::cast<const ExpertRing&>(t[6]);
+      loop.ring = &ring;
+      slot_of = nb::cast<Ints2>(t[7]);
+      Scratch moe_scratch = nb::cast<Scratch>(t[8]);
+      check(isa_available(loop.isa), "decode_layers: this CPU lacks the experts' ISA");
+      check(hidden == x.shape(0) && loop.layout.record_bytes <= ring.slot_bytes(), "decode_layers: experts' layout");
+      check(slot_of.shape(0) == n, "decode_layers: slot_of [layers, n_experts]");
+      loop.slot_of = slot_of.data();
+      loop.n_experts = static_cast<int>(slot_of.shape(1));
+      for (size_t e = 0; e < slot_of.size(); ++e)
+        check(slot_of.data()[e] < static_cast<int32_t>(ring.n_slots()), "decode_layers: slot out of range");
+      int top_k = 1;
+      for (const DecodeLayer& L : native) top_k = std::max(top_k, L.top_k);
+      check(top_k <= 64, "decode_layers: top_k above 64");
+      check(moe_scratch.shape(0) >= moe_scratch_floats(loop.layout, top_k, 1, loop.threads),
+            "decode_layers: experts' scratch too small");
+      loop.scratch = moe_scratch.data();
+    }
+    DecodeLayersResult r;
+    {
+      nb::gil_scoped_release release;
+      r = decode_layers(native.data(), static_cast<int>(n), first, experts.is_none() ? nullptr : &loop, x.data(),
+                        h.data(), pos, cos.data(), signed_sin.data(), topk_weights.data(), topk_ids.data(),
+                        scratch.data(), threads, Isa(isa));
+    }
+    return std::make_tuple(r.stop, r.kernel_s);
+  }, nb::arg("layers"), nb::arg("first"), nb::arg("isa"), nb::arg("threads"), nb::arg("x"), nb::arg("h"), nb::arg("pos"),
+     nb::arg("cos"), nb::arg("signed_sin"), nb::arg("k_run"), nb::arg("v_run"), nb::arg("topk_weights"),
+     nb::arg("topk_ids"), nb::arg("scratch"), nb::arg("experts").none());
   k.def("linear_q4", [](int isa, int threads, nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> codes,
                         nb::ndarray<const uint16_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> scales, Matrix x,
                         OutMatrix y) {

@@ -141,6 +141,30 @@ uint64_t decode_layer_scratch_floats(const DecodeLayer& layer);
 void decode_layer(const DecodeLayer& layer, float* x, float* h, int pos, const float* cos, const float* signed_sin,
                   float* topk_weights, int32_t* topk_ids, float* scratch, int threads, Isa isa);
 
+class ExpertRing;
+// The routed experts' side of decode_layers: records held in an expert ring.
+struct LoopExperts {
+  RecordLayout layout;
+  QuantType quant;
+  Isa isa;
+  int threads;
+  const ExpertRing* ring;
+  const int32_t* slot_of;  // [layers, n_experts]: the slot whose record is held and checked, else -1
+  int n_experts;
+  float* scratch;          // moe_scratch_floats(layout, top_k, 1, threads)
+};
+struct DecodeLayersResult {
+  int stop;         // the layer left to the caller (its h and top-k are set), or n_layers when done
+  double kernel_s;  // time in the experts' kernel
+};
+// decode_layer for layers first, first+1, ... with each MoE layer's experts (ascending id) added into x from
+// the ring while their records are held; stops at a dense layer, at one whose records are not all held, or
+// at the first MoE layer when experts is null. topk_weights / topk_ids are [n_layers, top_k]. Each layer's
+// cache pointers are set beforehand.
+DecodeLayersResult decode_layers(DecodeLayer* layers, int n_layers, int first, const LoopExperts* experts, float* x,
+                                 float* h, int pos, const float* cos, const float* signed_sin, float* topk_weights,
+                                 int32_t* topk_ids, float* scratch, int threads, Isa isa);
+
 // Y[n, rows] = X[n, cols] @ W.T for W in Q4_G32 (a vault plane's layout: codes [rows, ceil(cols/32)*16],
 // f16 scales [rows, ceil(cols/32)]), through the expert kernels' Q4 matvec of `isa` (int8 activations
 // under AVX-512 VNNI); rows in contiguous blocks over threads.

@@ -1,0 +1,50 @@
+// A decode step's layer loop in one call: each layer's attention block and router (decode_layer), then its
+// routed experts straight from the ring into the residual stream, while every record they need is held.
+// The loop stops at the first layer it cannot finish alone (a dense MLP, or an expert whose record is not
+// held), with that layer's h and top-k left for the caller, which runs it and calls again from the next.
+// It exists for speed only: per layer, the Python loop it replaces cost as much as 0.1 ms of interpreter
+// work, most of it cache misses after the weights streamed through.
+#include <chrono>
+
+#include "mosaic/expert_ring.h"
+#include "mosaic/kernels.h"
+
+namespace mosaic {
+
+DecodeLayersResult decode_layers(DecodeLayer* layers, int n_layers, int first, const LoopExperts* experts, float* x,
+                                 float* h, int pos, const float* cos, const float* signed_sin, float* topk_weights,
+                                 int32_t* topk_ids, float* scratch, int threads, Isa isa) {
+  DecodeLayersResult result{n_layers, 0.0};
+  for (int i = first; i < n_layers; ++i) {
+    const DecodeLayer& L = layers[i];
+    const int k = L.top_k;
+    float* w = topk_weights + static_cast<int64_t>(i) * k;
+    int32_t* ids = topk_ids + static_cast<int64_t>(i) * k;
+    decode_layer(L, x, h, pos, cos, signed_sin, w, ids, scratch, threads, isa);
+    if (L.router.rows == 0 || experts == nullptr) return {i, result.kernel_s};  // a dense MLP: the caller's
+    // The experts in ascending id (the combine order of every executor), each from its held record.
+    int order[64];
+    for (int j = 0; j < k; ++j) {
+      int at = j;
+      for (; at > 0 && ids[order[at - 1]] > ids[j]; --at) order[at] = order[at - 1];
+      order[at] = j;
+    }
+    static const int32_t token = 0;
+    float sorted_w[64];
+    ExpertTask tasks[64];
+    for (int j = 0; j < k; ++j) {
+      const int32_t e = ids[order[j]];
+      const int32_t slot = e >= 0 && e < experts->n_experts ? experts->slot_of[static_cast<int64_t>(i) * experts->n_experts + e] : -1;
+      if (slot < 0) return {i, result.kernel_s};  // not held: the caller reads it
+      sorted_w[j] = w[order[j]];
+      tasks[j] = {experts->ring->slot(slot), &token, &sorted_w[j], 1, -1};
+    }
+    MoeTiming timing;
+    moe_experts(experts->layout, experts->quant, h, L.hidden, tasks, k, x, experts->scratch, experts->isa,
+                experts->threads, nullptr, &timing);
+    result.kernel_s += timing.total_s;
+  }
+  return result;
+}
+
+}  // namespace mosaic
