@@ -159,17 +159,11 @@ MOSAIC_AVX512 void task_avx512(const float* q, int rep, int d, const T* k, const
   const int64_t ahead = static_cast<int64_t>(kAhead) * kTile * d;  // elements
   alignas(64) float probs[kMaxRep][kTile];
   alignas(64) __m512 a[4 * kTile];  // one head block's lane-partial scores
-  // Per head: the reference max (exp's offset) and the lanes of the running sum of probabilities.
-  float ref[kMaxRep];
-  __m512 sums[kMaxRep];
-  for (int r = 0; r < rep; ++r) {
-    std::fill(o + static_cast<int64_t>(r) * d, o + static_cast<int64_t>(r + 1) * d, 0.f);
-    ref[r] = -std::numeric_limits<float>::infinity();
-    sums[r] = _mm512_setzero_ps();
-  }
+  SoftmaxState sm;
+  sm.start(o, rep, d);
   for (int j0 = k0; j0 < k1; j0 += kTile) {
     const int n = std::min(kTile, k1 - j0);
-    const __mmask16 live = n == kTile ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+    const __mmask16 live = tile_mask(n);
     const T* kt = k + static_cast<int64_t>(j0) * d;
     const T* vt = v + static_cast<int64_t>(j0) * d;
     Prefetcher pf{reinterpret_cast<const char*>(kt + ahead), reinterpret_cast<const char*>(vt + ahead), tile_lines,
@@ -198,7 +192,7 @@ MOSAIC_AVX512 void task_avx512(const float* q, int rep, int d, const T* k, const
       for (int h = 0; h < hb; ++h)
         sc[h] = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live,
                                    _mm512_mul_ps(sum16x16(a + h * kTile), kscale));
-      softmax_tile(sc, hb, ref + r0, sums + r0, o + static_cast<int64_t>(r0) * d, d, vscale, probs + r0);
+      softmax_tile(sc, hb, sm.ref + r0, sm.sums + r0, o + static_cast<int64_t>(r0) * d, d, vscale, probs + r0);
     }
     for (int r0 = 0; r0 < rep; r0 += 4) {  // values, one head block at a time
       const int hb = std::min(4, rep - r0);
@@ -209,7 +203,7 @@ MOSAIC_AVX512 void task_avx512(const float* q, int rep, int d, const T* k, const
       else value_rows<1, T>(ob, d, nv, probs + r0, vt, n, pf);
     }
   }
-  for (int r = 0; r < rep; ++r) part[r] = {ref[r], _mm512_reduce_add_ps(sums[r])};
+  sm.finish(part, rep);
 }
 
 template <typename T>

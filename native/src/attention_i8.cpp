@@ -151,16 +151,11 @@ MOSAIC_VNNI_ATTENTION void task(const int16_t* q16, const float* qscale, int rep
   float pscale[kMaxRep];
   constexpr int kGroup = 8;  // heads scored before their softmax
   alignas(64) __m512i a[kGroup * kTile];  // the group's lane-partial scores
-  float ref[kMaxRep];
-  __m512 sums[kMaxRep];
-  for (int r = 0; r < rep; ++r) {
-    std::fill(o + static_cast<int64_t>(r) * d, o + static_cast<int64_t>(r + 1) * d, 0.f);
-    ref[r] = -std::numeric_limits<float>::infinity();
-    sums[r] = _mm512_setzero_ps();
-  }
+  SoftmaxState sm;
+  sm.start(o, rep, d);
   for (int j0 = k0; j0 < k1; j0 += kTile) {
     const int n = std::min(kTile, k1 - j0);
-    const __mmask16 live = n == kTile ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+    const __mmask16 live = tile_mask(n);
     const int8_t* kt = k + static_cast<int64_t>(j0) * d;
     const int8_t* vt = v + static_cast<int64_t>(j0) * d;
     const __m512 kscale = _mm512_maskz_loadu_ps(live, rs.k + j0);
@@ -194,13 +189,13 @@ MOSAIC_VNNI_ATTENTION void task(const int16_t* q16, const float* qscale, int rep
         sc[h] = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live,
                                    _mm512_mul_ps(_mm512_mul_ps(dot, _mm512_set1_ps(qscale[g0 + h])), kscale));
       }
-      softmax_tile(sc, gn, ref + g0, sums + g0, o + static_cast<int64_t>(g0) * d, d, vscale, probs + g0);
+      softmax_tile(sc, gn, sm.ref + g0, sm.sums + g0, o + static_cast<int64_t>(g0) * d, d, vscale, probs + g0);
       for (int h = 0; h < gn; ++h) quantize_probs(probs[g0 + h], pcodes[g0 + h], pscale + g0 + h);
     }
     if (n == kTile) values<D, kTile>(o, rep, d, pcodes, pscale, vt, n);
     else values<D, 0>(o, rep, d, pcodes, pscale, vt, n);
   }
-  for (int r = 0; r < rep; ++r) part[r] = {ref[r], _mm512_reduce_add_ps(sums[r])};
+  sm.finish(part, rep);
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 
 #include "simd_avx512.h"
 
@@ -81,6 +82,27 @@ MOSAIC_AVX512 inline __m512i sum16x16(const __m512i* a) {
   return _mm512_add_epi32(_mm512_shuffle_i32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
                           _mm512_shuffle_i32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
+
+// The first n of a tile's 16 lanes.
+inline __mmask16 tile_mask(int n) { return n >= kTile ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
+
+// A task's online-softmax state for its rep query heads: each one's reference max (exp's offset) and the
+// lanes of its running sum of probabilities, relative to e^ref.
+struct SoftmaxState {
+  float ref[kMaxRep];
+  __m512 sums[kMaxRep];
+  // Before the first tile: no reference yet, nothing summed, the outputs o (rep x d) zero.
+  MOSAIC_AVX512 void start(float* o, int rep, int d) {
+    for (int r = 0; r < rep; ++r) {
+      std::fill(o + static_cast<int64_t>(r) * d, o + static_cast<int64_t>(r + 1) * d, 0.f);
+      ref[r] = -std::numeric_limits<float>::infinity();
+      sums[r] = _mm512_setzero_ps();
+    }
+  }
+  MOSAIC_AVX512 void finish(Partial* part, int rep) const {
+    for (int r = 0; r < rep; ++r) part[r] = {ref[r], _mm512_reduce_add_ps(sums[r])};
+  }
+};
 
 // The online softmax of hb query heads over one tile: sc[h] are head h's scores (masked keys -inf).
 // ref, sums, o (hb rows of d floats) and probs belong to the block's first head. The block's heads go
