@@ -19,6 +19,9 @@ ExpertWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # gate [I, H], 
 
 
 class ExpertExecutor(Protocol):
+    """What a model calls for its routed experts. An executor on the native expert ring (NativeExperts)
+    also offers add_decode, native_loop and ran_natively, which the native decode step uses when present."""
+
     def __call__(self, layer: int, x: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_weights [T, k], topk_ids [T, k] -> sum_k w * expert(x), [T, H]."""

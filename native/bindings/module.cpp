@@ -197,29 +197,25 @@ void init_kernels(nb::module_& m) {
                         static_cast<int>(k.shape(1)), scale, out.data(), threads, Isa(isa));
   });
   // One Qwen3-MoE layer's decode step (native/src/decode_layer.cpp). Built once per layer from the
-  // backbone's arrays, which it keeps alive; called per token with the layer's cache run.
+  // backbone's arrays, which it keeps alive; run per token by decode_layers.
   struct PyDecodeLayer {
     DecodeLayer layer{};
     std::vector<nb::ndarray<>> keep;  // the arrays the layer points into
   };
   using Floats1Out = nb::ndarray<float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-  using Ints1Out = nb::ndarray<int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
   using AnyMatrix = nb::ndarray<nb::ndim<2>, nb::c_contig, nb::device::cpu>;
-  // A layer's cache rows for one call: a [kv_heads, rows, head_dim] float32 view, or layer i of a
-  // [layers, kv_heads, rows, head_dim] run.
+  // Layer i's cache rows in a [layers, kv_heads, rows, head_dim] float32 run.
+  using F32Run = nb::ndarray<const float, nb::ndim<4>, nb::device::cpu>;
   struct CacheView {
     const float* data;
     size_t heads, rows, dim;
     int64_t head_stride, row_stride, col_stride;
-    static CacheView of(const F32Cache& c) {
-      return {c.data(), c.shape(0), c.shape(1), c.shape(2), c.stride(0), c.stride(1), c.stride(2)};
-    }
-    static CacheView of(const nb::ndarray<const float, nb::ndim<4>, nb::device::cpu>& r, size_t i) {
+    static CacheView of(const F32Run& r, size_t i) {
       return {r.data() + static_cast<int64_t>(i) * r.stride(0), r.shape(1), r.shape(2), r.shape(3), r.stride(1),
               r.stride(2), r.stride(3)};
     }
   };
-  // Checks one call's shapes against the layer and points it at its cache rows (both entry points).
+  // Checks one call's shapes against the layer and points it at its cache rows.
   auto bind_layer = [](DecodeLayer& L, size_t x_size, size_t h_size, int pos, size_t cos_size, size_t sin_size,
                        CacheView kc, CacheView vc, size_t scratch_floats) {
     const size_t d = static_cast<size_t>(L.head_dim);
@@ -298,26 +294,12 @@ void init_kernels(nb::module_& m) {
           check(L.router.rows <= 1024 && L.top_k <= L.router.rows, "DecodeLayer: router size");
         }
       })
-      .def_prop_ro("scratch_floats", [](const PyDecodeLayer& self) { return decode_layer_scratch_floats(self.layer); })
-      .def("__call__", [bind_layer](PyDecodeLayer& self, int isa, int threads, Floats1Out x, Floats1Out h, int pos,
-                                    Floats1 cos, Floats1 signed_sin, F32Cache k_cache, F32Cache v_cache,
-                                    Floats1Out topk_weights, Ints1Out topk_ids, Scratch scratch) {
-        DecodeLayer& L = self.layer;
-        bind_layer(L, x.shape(0), h.shape(0), pos, cos.shape(0), signed_sin.shape(0), CacheView::of(k_cache),
-                   CacheView::of(v_cache), scratch.shape(0));
-        check(L.router.rows == 0 || (topk_weights.shape(0) == static_cast<size_t>(L.top_k) &&
-                                     topk_ids.shape(0) == topk_weights.shape(0)), "DecodeLayer: top-k size");
-        check(isa_available(Isa(isa)), "DecodeLayer: this CPU lacks that ISA");
-        nb::gil_scoped_release release;
-        decode_layer(L, x.data(), h.data(), pos, cos.data(), signed_sin.data(), topk_weights.data(), topk_ids.data(),
-                     scratch.data(), threads, Isa(isa));
-      });
+      .def_prop_ro("scratch_floats", [](const PyDecodeLayer& self) { return decode_layer_scratch_floats(self.layer); });
   // A decode step's layer loop (native/src/decode_token.cpp): layers[first:] with their caches at
   // k_run[i] / v_run[i] ([layers, kv_heads, rows, head_dim]) and, unless experts is None, each MoE layer's
   // experts from the ring: experts = (isa, threads, quant, scale_dtype, hidden, intermediate, ring,
   // slot_of [layers, n_experts] int32, scratch). Returns (the layer left to the caller or len(layers),
   // the experts' kernel seconds).
-  using F32Run = nb::ndarray<const float, nb::ndim<4>, nb::device::cpu>;
   using Floats2Out = nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
   using Ints2Out = nb::ndarray<int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
   using Ints2 = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
