@@ -3,6 +3,7 @@ one call; decode_token.cpp: the layer loop, experts included) against the torch 
 every backbone precision, dense and MoE layers, and a cache whose pages are out of order (which falls
 back to the torch path)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -95,7 +96,6 @@ def test_bf16_kv_cache_keeps_the_torch_path(model_dir):
 
 def test_layer_loop_refuses_a_slot_table_past_the_ring(model_dir):
     """decode_layers trusts slot_table's slots to hold records: one past the ring is refused, not read."""
-    import numpy as np
     with Engine.open(model_dir, max_seq=64) as engine:
         model = engine.model
         model.kv.reserve(1)
