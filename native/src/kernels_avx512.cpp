@@ -113,7 +113,38 @@ MOSAIC_AVX512 void q4_avx512(const MatvecArgs& a) {
   }
 }
 
+// One token (a decode step): fp8_avx512's sums with the accumulators in registers, two alternating
+// within each 128-column block, and unmasked loads for whole 16-column slices.
+MOSAIC_AVX512 static void fp8_avx512_one(const MatvecArgs& a) {
+  const int scale_cols = (a.cols + kFp8 - 1) / kFp8;
+  for (int r = 0; r < a.rows; ++r) {
+    const uint8_t* row = a.codes + static_cast<uint64_t>(r) * a.cols;
+    const uint64_t srow = static_cast<uint64_t>(r / kFp8) * scale_cols;
+    __m512 total = _mm512_setzero_ps();
+    for (int c0 = 0; c0 < a.cols; c0 += kFp8) {
+      const int end = std::min(c0 + kFp8, a.cols);
+      __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+      for (int c = c0; c < end; c += 16) {
+        if ((c & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + c + kPrefetch), _MM_HINT_T0);
+        const int len = std::min(16, end - c);
+        const __mmask16 m = len == 16 ? 0xFFFF : static_cast<__mmask16>((1u << len) - 1);
+        const __m512 w = e4m3x16(row + c, m);
+        const __m512 x = len == 16 ? _mm512_loadu_ps(a.x + c) : _mm512_maskz_loadu_ps(m, a.x + c);
+        if ((c - c0) & 16) odd = _mm512_fmadd_ps(w, x, odd);
+        else even = _mm512_fmadd_ps(w, x, even);
+      }
+      const __m512 s = _mm512_set1_ps(scale_at(a.scales, a.scale_dtype, srow + c0 / kFp8) * 256.f);
+      total = _mm512_fmadd_ps(_mm512_add_ps(even, odd), s, total);
+    }
+    a.y[r] = reduce(total);
+  }
+}
+
 MOSAIC_AVX512 void fp8_avx512(const MatvecArgs& a) {
+  if (a.n == 1) {  // a decode step
+    fp8_avx512_one(a);
+    return;
+  }
   const int scale_cols = (a.cols + kFp8 - 1) / kFp8;
   for (int r = 0; r < a.rows; ++r) {
     const uint8_t* row = a.codes + static_cast<uint64_t>(r) * a.cols;
