@@ -21,13 +21,21 @@ MOSAIC_AVX512 inline float reduce(__m512 v) { return _mm512_reduce_add_ps(v); }
 
 constexpr int kGroup = 16;  // blocks whose weight scales are converted with one vcvtph2ps
 
+// Block b's 32 codes as floats (elements 0..15 in lo, 16..31 in hi), prefetching the row ahead a line
+// every 4 blocks.
+MOSAIC_AVX512 inline void q4_codes(const uint8_t* row, int b, __m512& lo, __m512& hi) {
+  if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + b * 16 + kPrefetch), _MM_HINT_T0);
+  const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16)));
+  lo = _mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(0x0F)));
+  hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
+}
+
 // One token (a decode step): the same sums as q4_avx512's loop, but the whole blocks take unmasked loads,
 // two accumulators alternate so the FMA latency is not paid on every block, and nothing lives on the
 // stack (the token-tiled loop keeps its accumulators there, which cost more than the arithmetic).
 MOSAIC_AVX512 static void q4_avx512_one(const MatvecArgs& a, int blocks, int groups, const float* off8) {
   const auto* scales = static_cast<const uint16_t*>(a.scales);
   const int whole = a.cols / kQ4;  // blocks with all 32 columns
-  const __m512i low4 = _mm512_set1_epi32(0x0F);
   for (int r = 0; r < a.rows; ++r) {
     const uint8_t* row = a.codes + static_cast<uint64_t>(r) * blocks * kQ4Bytes;
     const uint16_t* rs = scales + static_cast<uint64_t>(r) * blocks;
@@ -38,10 +46,8 @@ MOSAIC_AVX512 static void q4_avx512_one(const MatvecArgs& a, int blocks, int gro
       off = _mm512_fmadd_ps(d, _mm512_loadu_ps(off8 + b0), off);
       for (int k = 0; k < nb; ++k) {
         const int b = b0 + k;
-        if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + b * 16 + kPrefetch), _MM_HINT_T0);
-        const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16)));
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(w, low4));  // elements 0..15 of the block
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));     // elements 16..31
+        __m512 lo, hi;
+        q4_codes(row, b, lo, hi);
         const __m512 db = _mm512_permutexvar_ps(_mm512_set1_epi32(k), d);
         const float* x = a.x + b * kQ4;
         __m512 x0, x1;
@@ -72,7 +78,6 @@ MOSAIC_AVX512 void q4_avx512(const MatvecArgs& a) {
   for (int t = 0; t < a.n; ++t)
     for (int c = 0; c < a.cols; ++c) off8[per_t * t + c / kQ4] += 8.f * a.x[static_cast<uint64_t>(t) * a.ldx + c];
   const auto* scales = static_cast<const uint16_t*>(a.scales);
-  const __m512i low4 = _mm512_set1_epi32(0x0F);
   __m512i lane[kGroup];
   for (int i = 0; i < kGroup; ++i) lane[i] = _mm512_set1_epi32(i);
   if (a.n == 1) {  // a decode step: q4_avx512_one
@@ -92,10 +97,8 @@ MOSAIC_AVX512 void q4_avx512(const MatvecArgs& a) {
         for (int t = 0; t < nt; ++t) off[t] = _mm512_fmadd_ps(d, _mm512_loadu_ps(&off8[per_t * (t0 + t) + b0]), off[t]);
         for (int k = 0; k < nb; ++k) {
           const int b = b0 + k;
-          if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + b * 16 + kPrefetch), _MM_HINT_T0);
-          const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16)));
-          const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(w, low4));  // elements 0..15 of the block
-          const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));     // elements 16..31
+          __m512 lo, hi;
+          q4_codes(row, b, lo, hi);
           const __m512 db = _mm512_permutexvar_ps(lane[k], d);
           const int c = b * kQ4, len = std::min(kQ4, a.cols - c);
           const __mmask16 mlo = len >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << len) - 1);
