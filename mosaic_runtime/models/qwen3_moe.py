@@ -118,6 +118,8 @@ class Qwen3Moe:
                 geometry, layer.input_norm.numpy(), layer.post_norm.numpy(), layer.q_norm.numpy(),
                 layer.k_norm.numpy(), *mats, router))
         self._scratch = np.zeros(max(n.scratch_floats for n in layers), np.float32)
+        # each layer's top-k, written by decode_layers: [layers, top_k]
+        self._topk = np.zeros((len(layers), self.top_k), np.float32), np.zeros((len(layers), self.top_k), np.int32)
         return layers
 
     def _decode_native(self, token: int, pos: int, run: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -131,7 +133,7 @@ class Qwen3Moe:
         x = self.embed[token].to(torch.float32).numpy().copy()  # [H], updated in place layer by layer
         h = np.empty_like(x)
         n = len(self.layers)
-        weights, ids = np.empty((n, self.top_k), np.float32), np.empty((n, self.top_k), np.int32)
+        weights, ids = self._topk
         cos, signed_sin = self.rotary.cos[pos].numpy(), self.rotary.signed_sin[pos].numpy()
         # Q4 projections want the VNNI kernel; bf16, int8, fp8 and attention run the same AVX-512 code under it.
         isa, n_threads = Q4_ISA, threads()

@@ -4,8 +4,6 @@
 // held), with that layer's h and top-k left for the caller, which runs it and calls again from the next.
 // It exists for speed only: per layer, the Python loop it replaces cost as much as 0.1 ms of interpreter
 // work, most of it cache misses after the weights streamed through.
-#include <chrono>
-
 #include "mosaic/expert_ring.h"
 #include "mosaic/kernels.h"
 

@@ -78,12 +78,12 @@ MOSAIC_AVX512 void q4_avx512(const MatvecArgs& a) {
   for (int t = 0; t < a.n; ++t)
     for (int c = 0; c < a.cols; ++c) off8[per_t * t + c / kQ4] += 8.f * a.x[static_cast<uint64_t>(t) * a.ldx + c];
   const auto* scales = static_cast<const uint16_t*>(a.scales);
-  __m512i lane[kGroup];
-  for (int i = 0; i < kGroup; ++i) lane[i] = _mm512_set1_epi32(i);
   if (a.n == 1) {  // a decode step: q4_avx512_one
     q4_avx512_one(a, blocks, groups, off8.data());
     return;
   }
+  __m512i lane[kGroup];
+  for (int i = 0; i < kGroup; ++i) lane[i] = _mm512_set1_epi32(i);
   for (int r = 0; r < a.rows; ++r) {
     const uint8_t* row = a.codes + static_cast<uint64_t>(r) * blocks * kQ4Bytes;
     const uint16_t* rs = scales + static_cast<uint64_t>(r) * blocks;
