@@ -40,7 +40,7 @@ class Stats:
     hits: dict[int, int] = field(default_factory=dict)  # layer -> ring hits
     misses: dict[int, int] = field(default_factory=dict)  # layer -> records read
     bytes_read: int = 0  # read because a layer asked
-    preload_bytes: int = 0  # read ahead of need by preload, counted as layers first use them
+    preload_bytes: int = 0  # read ahead of need by preload, counted as each read is accounted
     io_s: float = 0.0  # waiting for expert reads
     kernel_s: float = 0.0  # in the native expert kernel
     prompt_tokens: int = 0

@@ -115,7 +115,9 @@ class NativeExperts:
 
     def native_loop(self, top_k: int) -> tuple:
         """What the native layer loop (decode_layers) needs to run a decode step's experts itself from the
-        records the ring holds: kernel settings, the ring and the store's slot table."""
+        records the ring holds: kernel settings, the ring and the store's slot table (preload's landed reads
+        accounted first, so they are in it)."""
+        self.store.reap()
         return (self.isa, self.threads, int(self.layout.quant), int(self.layout.scale_dtype), self.layout.hidden,
                 self.layout.intermediate, self.store.ring.native, self.store.slot_table, self._scratch_for(top_k, 1))
 

@@ -261,8 +261,11 @@ def test_preload_fills_the_ring_and_changes_no_bit(model_dir, finish):
         engine.finish_preload()
     else:
         wait_for_preload(store)
+        store.reap()  # what the decode step does first
     from mosaic_runtime.cache.ring import SlotState
     assert all(store.ring.state(s) == SlotState.READY for s in range(store.ring.n_slots))  # not pinned
+    # accounted: the native layer loop finds every record without a layer asking for it first
+    assert not store._reading and (store.slot_table >= 0).sum() == len(engine.vault.entries)
     out = run(engine)
     assert all(torch.equal(a, b) for a, b in zip(out, run(Engine.open(model_dir, max_seq=64, preload=False))))
     engine._sync_stats()

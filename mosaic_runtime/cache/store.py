@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno as errno_names
 import os
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,7 +31,7 @@ IO_THREADS = 4  # reads in flight at once; more did not help on this machine's d
 class IOCounters:
     bytes_read: int = 0  # by the layers' own reads
     reads: int = 0
-    preload_bytes: int = 0  # by preload's background reads, counted as layers first use them
+    preload_bytes: int = 0  # by preload's background reads, counted as they are accounted (reap, first use)
     io_s: float = 0.0  # time the kernel stood waiting for records (reads overlapped with compute excluded)
 
 
@@ -43,6 +44,7 @@ class ExpertStore:
         self._pinned: set[int] = set()
         # slot -> (key, whether preload started it): reads not yet accounted by finish
         self._reading: dict[int, tuple[tuple[int, int], bool]] = {}
+        self._preloading: deque[int] = deque()  # preload's slots in the order it started them (reap)
         # slot_table[layer, expert]: the slot whose record is held and checked (read, accounted, not
         # evicted), else -1. The native layer loop reads it to run a layer's experts without asking.
         self.slot_table = np.full((vault.header.num_layers, vault.header.num_experts), -1, np.int32)
@@ -73,6 +75,7 @@ class ExpertStore:
         """The slots of `experts` when every record is held and checked (no read pending), counted as hits
         and made most recent; else None, with nothing counted or changed (acquire then takes over). They
         are not pinned: nothing is read until the caller's kernel returns, so nothing can evict them."""
+        self.reap()
         slots = self.slot_table[layer, experts]
         if (slots < 0).any():
             return None
@@ -113,8 +116,24 @@ class ExpertStore:
                 continue
             slot = self._place(key)  # a free slot: the ring holds them all
             self._submit(slot, key, background=True)
+            self._preloading.append(slot)
             started += 1
         return started
+
+    def reap(self) -> None:
+        """Account preload's reads that have landed (in the order it started them, which is the order it
+        reads them), so the native layer loop finds them in slot_table without a layer asking first. Cheap
+        when there is nothing to do: it stops at the first read still under way."""
+        while self._preloading:
+            slot = self._preloading[0]
+            entry = self._reading.get(slot)
+            if entry is not None and entry[1]:  # still preload's: not yet taken over by a layer
+                state = self.ring.state(slot)
+                if state == SlotState.LOADING:
+                    return
+                if state == SlotState.READY:  # a failed one stays: the layer that needs it reads it again
+                    self.finish([slot])
+            self._preloading.popleft()
 
     def finish_preload(self) -> None:
         """Block until preload has read every record: what it has not started goes ahead as demand reads
@@ -126,6 +145,7 @@ class ExpertStore:
             # an expedited read lands IN_USE (a demand read's state); unpinned, it is READY
             if self.ring.wait(slot) == SlotState.IN_USE and slot not in self._pinned:
                 self.ring.set_state(slot, SlotState.READY)
+        self.reap()
 
     def wait(self, slots: list[int]) -> None:
         """Block until every slot's record has arrived; raise (after releasing them) if one failed."""
