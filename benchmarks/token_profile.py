@@ -112,7 +112,7 @@ def main() -> None:
     in_loop = loop_kernel[0] / args.tokens  # counted in "native layer loop", and in kernel
     rows = [(k, v) for k, v in per.items() if k not in ("experts", "native layer loop")]
     if "native layer loop" in per:
-        rows.append(("native layer loop: attention blocks, routers", per["native layer loop"] - in_loop))
+        rows.append(("native layer loop: attention blocks, routers, head", per["native layer loop"] - in_loop))
     rows += [("expert kernel (native)", kernel), ("expert read wait", io),
              ("experts: Python side", per.get("experts", 0.0) - (kernel - in_loop) - io)]
     rows.append(("glue (embedding, residuals, loop)", total - sum(per.values())))

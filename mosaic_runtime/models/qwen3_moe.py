@@ -117,6 +117,9 @@ class Qwen3Moe:
             layers.append(_native.kernels.DecodeLayer(
                 geometry, layer.input_norm.numpy(), layer.post_norm.numpy(), layer.q_norm.numpy(),
                 layer.k_norm.numpy(), *mats, router))
+        head = matrix(self.lm_head)  # the final norm and lm_head, run by the loop's last call
+        self._head = None if head is None else (_native.kernels.DecodeHead(self.norm.numpy(), self.eps, head),
+                                                head[0].shape[0])
         self._scratch = np.zeros(max(n.scratch_floats for n in layers), np.float32)
         # each layer's top-k, written by decode_layers: [layers, top_k]
         self._topk = np.zeros((len(layers), self.top_k), np.float32), np.zeros((len(layers), self.top_k), np.int32)
@@ -129,7 +132,8 @@ class Qwen3Moe:
 
         decode_layers runs the layers in one native call, each MoE layer's experts included while the
         executor can hand it their records (native_loop); it returns at the first layer it cannot finish
-        (a dense MLP, an expert not in the ring), which runs here, and is called again from the next."""
+        (a dense MLP, an expert not in the ring), which runs here, and is called again from the next. The
+        call that finishes the last layer also runs the final norm and lm_head (the head)."""
         x = self.embed[token].to(torch.float32).numpy().copy()  # [H], updated in place layer by layer
         h = np.empty_like(x)
         n = len(self.layers)
@@ -141,10 +145,12 @@ class Qwen3Moe:
         experts = native_loop(self.top_k) if native_loop is not None else None
         add_experts = getattr(self.experts, "add_decode", None)
         k_run, v_run = run[0].numpy(), run[1].numpy()
+        logits = None if self._head is None else np.empty(self._head[1], np.float32)  # a new array: callers keep it
+        head = None if logits is None else (self._head[0], logits)
         first = 0
         while True:
             stop, kernel_s = decode_layers(self.native_layers, first, isa, n_threads, x, h, pos, cos, signed_sin, k_run,
-                                           v_run, weights, ids, self._scratch, experts)
+                                           v_run, weights, ids, self._scratch, experts, head)
             if experts is not None:
                 self.experts.ran_natively(range(first, stop), ids, kernel_s)
             if stop == n:
@@ -159,6 +165,8 @@ class Qwen3Moe:
                                   torch.from_numpy(ids[stop])[None])[0].numpy()
             first = stop + 1
         self.kv.length = pos + 1
+        if logits is not None:
+            return torch.from_numpy(logits)[None]
         return linear(rms_norm(torch.from_numpy(x)[None], self.norm, self.eps), self.lm_head).float()
 
     @torch.inference_mode()

@@ -233,8 +233,35 @@ void init_kernels(nb::module_& m) {
     L.k_head_stride = kc.head_stride;
     L.v_head_stride = vc.head_stride;
   };
+  // A backbone matrix from (codes, scales, kind[, cols]): bf16 bits [rows, cols] and no scales; int8 / E4M3
+  // codes [rows, cols] and float32 scales [rows]; Q4 codes [rows, ceil(cols/32)*16] and f16 scales [rows,
+  // ceil(cols/32)]. rows < 0: any. The arrays go into keep, which the owner holds.
+  auto backbone_matrix = [](nb::tuple t, int rows, int cols, const std::string& what,
+                            std::vector<nb::ndarray<>>& keep) {
+    BackboneMatrix p;
+    AnyMatrix w = nb::cast<AnyMatrix>(t[0]);
+    p.kind = static_cast<BackboneMatrix::Kind>(nb::cast<int>(t[2]));
+    const bool q4 = p.kind == BackboneMatrix::Q4;
+    p.rows = static_cast<int>(w.shape(0));
+    p.cols = q4 ? nb::cast<int>(t[3]) : static_cast<int>(w.shape(1));
+    check(p.kind == BackboneMatrix::Bf16 ? w.dtype() == nb::dtype<uint16_t>() : w.dtype() == nb::dtype<uint8_t>(),
+          what + " has the wrong dtype for its kind");
+    check((rows < 0 || p.rows == rows) && p.cols == cols, what + " shape");
+    check(!q4 || w.shape(1) == static_cast<size_t>((cols + 31) / 32 * 16), what + " Q4 codes shape");
+    p.w = w.data();
+    keep.push_back(nb::ndarray<>(w));
+    if (p.kind != BackboneMatrix::Bf16) {
+      nb::ndarray<nb::c_contig, nb::device::cpu> sc = nb::cast<nb::ndarray<nb::c_contig, nb::device::cpu>>(t[1]);
+      const size_t want = q4 ? static_cast<size_t>(p.rows) * ((cols + 31) / 32) : static_cast<size_t>(p.rows);
+      check(sc.size() == want && (q4 ? sc.dtype() == nb::dtype<uint16_t>() : sc.dtype() == nb::dtype<float>()),
+            what + " scales");
+      p.scales = sc.data();
+      keep.push_back(nb::ndarray<>(sc));
+    }
+    return p;
+  };
   nb::class_<PyDecodeLayer>(k, "DecodeLayer")
-      .def("__init__", [](PyDecodeLayer* self, nb::dict g, Floats1 input_norm, Floats1 post_norm, Floats1 q_norm,
+      .def("__init__", [backbone_matrix](PyDecodeLayer* self, nb::dict g, Floats1 input_norm, Floats1 post_norm, Floats1 q_norm,
                           Floats1 k_norm, nb::tuple q, nb::tuple kk, nb::tuple v, nb::tuple o, nb::tuple router) {
         new (self) PyDecodeLayer();
         DecodeLayer& L = self->layer;
@@ -259,30 +286,7 @@ void init_kernels(nb::module_& m) {
         L.k_norm = k_norm.data();
         for (auto a : {input_norm, post_norm, q_norm, k_norm}) self->keep.push_back(nb::ndarray<>(a));
         auto proj = [&](nb::tuple t, int rows, int cols, const char* name) {
-          // (codes, scales, kind): bf16 bits [rows, cols] and no scales; int8 / E4M3 codes [rows, cols] and
-          // float32 scales [rows]; Q4 codes [rows, ceil(cols/32)*16] and f16 scales [rows, ceil(cols/32)].
-          BackboneMatrix p;
-          const std::string what = std::string("DecodeLayer: ") + name;
-          AnyMatrix w = nb::cast<AnyMatrix>(t[0]);
-          p.kind = static_cast<BackboneMatrix::Kind>(nb::cast<int>(t[2]));
-          const bool q4 = p.kind == BackboneMatrix::Q4;
-          p.rows = static_cast<int>(w.shape(0));
-          p.cols = q4 ? nb::cast<int>(t[3]) : static_cast<int>(w.shape(1));
-          check(p.kind == BackboneMatrix::Bf16 ? w.dtype() == nb::dtype<uint16_t>() : w.dtype() == nb::dtype<uint8_t>(),
-                what + " has the wrong dtype for its kind");
-          check((rows < 0 || p.rows == rows) && p.cols == cols, what + " shape");
-          check(!q4 || w.shape(1) == static_cast<size_t>((cols + 31) / 32 * 16), what + " Q4 codes shape");
-          p.w = w.data();
-          self->keep.push_back(nb::ndarray<>(w));
-          if (p.kind != BackboneMatrix::Bf16) {
-            nb::ndarray<nb::c_contig, nb::device::cpu> sc = nb::cast<nb::ndarray<nb::c_contig, nb::device::cpu>>(t[1]);
-            const size_t want = q4 ? static_cast<size_t>(p.rows) * ((cols + 31) / 32) : static_cast<size_t>(p.rows);
-            check(sc.size() == want && (q4 ? sc.dtype() == nb::dtype<uint16_t>() : sc.dtype() == nb::dtype<float>()),
-                  what + " scales");
-            p.scales = sc.data();
-            self->keep.push_back(nb::ndarray<>(sc));
-          }
-          return p;
+          return backbone_matrix(t, rows, cols, std::string("DecodeLayer: ") + name, self->keep);
         };
         const int d = L.head_dim;
         L.q = proj(q, L.heads * d, L.hidden, "q_proj");
@@ -295,6 +299,20 @@ void init_kernels(nb::module_& m) {
         }
       })
       .def_prop_ro("scratch_floats", [](const PyDecodeLayer& self) { return decode_layer_scratch_floats(self.layer); });
+  // The final RMSNorm and lm_head of a decode step, run by decode_layers once every layer is done.
+  struct PyDecodeHead {
+    DecodeHead head{};
+    std::vector<nb::ndarray<>> keep;
+  };
+  nb::class_<PyDecodeHead>(k, "DecodeHead")
+      .def("__init__", [backbone_matrix](PyDecodeHead* self, Floats1 norm, float eps, nb::tuple lm_head) {
+        new (self) PyDecodeHead();
+        self->head.norm = norm.data();
+        self->head.eps = eps;
+        self->keep.push_back(nb::ndarray<>(norm));
+        self->head.lm_head = backbone_matrix(lm_head, -1, static_cast<int>(norm.shape(0)), "DecodeHead: lm_head",
+                                             self->keep);
+      });
   // A decode step's layer loop (native/src/decode_token.cpp): layers[first:] with their caches at
   // k_run[i] / v_run[i] ([layers, kv_heads, rows, head_dim]) and, unless experts is None, each MoE layer's
   // experts from the ring: experts = (isa, threads, quant, scale_dtype, hidden, intermediate, ring,
@@ -306,7 +324,7 @@ void init_kernels(nb::module_& m) {
   k.def("decode_layers", [bind_layer](std::vector<PyDecodeLayer*> layers, int first, int isa, int threads,
                                       Floats1Out x, Floats1Out h, int pos, Floats1 cos, Floats1 signed_sin,
                                       F32Run k_run, F32Run v_run, Floats2Out topk_weights, Ints2Out topk_ids,
-                                      Scratch scratch, nb::object experts) {
+                                      Scratch scratch, nb::object experts, nb::object head) {
     const size_t n = layers.size();
     check(first >= 0 && static_cast<size_t>(first) <= n && k_run.shape(0) == n && v_run.shape(0) == n,
           "decode_layers: one cache run per layer");
@@ -351,17 +369,29 @@ void init_kernels(nb::module_& m) {
             "decode_layers: experts' scratch too small");
       loop.scratch = moe_scratch.data();
     }
+    const DecodeHead* final_head = nullptr;
+    float* logits = nullptr;
+    if (!head.is_none()) {
+      nb::tuple t = nb::cast<nb::tuple>(head);
+      check(t.size() == 2, "decode_layers: head = (DecodeHead, logits)");
+      final_head = &nb::cast<const PyDecodeHead&>(t[0]).head;
+      Floats1Out out = nb::cast<Floats1Out>(t[1]);
+      check(out.shape(0) == static_cast<size_t>(final_head->lm_head.rows) &&
+                static_cast<size_t>(final_head->lm_head.cols) == x.shape(0) && scratch.shape(0) >= x.shape(0),
+            "decode_layers: logits [vocab] for a head of hidden columns");
+      logits = out.data();
+    }
     DecodeLayersResult r;
     {
       nb::gil_scoped_release release;
-      r = decode_layers(native.data(), static_cast<int>(n), first, experts.is_none() ? nullptr : &loop, x.data(),
-                        h.data(), pos, cos.data(), signed_sin.data(), topk_weights.data(), topk_ids.data(),
-                        scratch.data(), threads, Isa(isa));
+      r = decode_layers(native.data(), static_cast<int>(n), first, experts.is_none() ? nullptr : &loop, final_head,
+                        x.data(), h.data(), pos, cos.data(), signed_sin.data(), topk_weights.data(), topk_ids.data(),
+                        logits, scratch.data(), threads, Isa(isa));
     }
     return std::make_tuple(r.stop, r.kernel_s);
   }, nb::arg("layers"), nb::arg("first"), nb::arg("isa"), nb::arg("threads"), nb::arg("x"), nb::arg("h"), nb::arg("pos"),
      nb::arg("cos"), nb::arg("signed_sin"), nb::arg("k_run"), nb::arg("v_run"), nb::arg("topk_weights"),
-     nb::arg("topk_ids"), nb::arg("scratch"), nb::arg("experts").none());
+     nb::arg("topk_ids"), nb::arg("scratch"), nb::arg("experts").none(), nb::arg("head").none() = nb::none());
   k.def("linear_q4", [](int isa, int threads, nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> codes,
                         nb::ndarray<const uint16_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> scales, Matrix x,
                         OutMatrix y) {

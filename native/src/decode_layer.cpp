@@ -86,6 +86,11 @@ uint64_t decode_layer_scratch_floats(const DecodeLayer& L) {
          static_cast<uint64_t>(L.kv_heads) * d * 2 + std::max(L.router.rows, 1);
 }
 
+void decode_head(const DecodeHead& head, const float* x, float* logits, float* scratch, int threads, Isa isa) {
+  rms_norm(x, head.norm, head.lm_head.cols, head.eps, scratch);
+  project(head.lm_head, scratch, logits, threads, isa);
+}
+
 void decode_layer(const DecodeLayer& L, float* x, float* h, int pos, const float* cos, const float* signed_sin,
                   float* topk_weights, int32_t* topk_ids, float* scratch, int threads, Isa isa) {
   const int H = L.hidden, d = L.head_dim, hq = L.heads, hkv = L.kv_heads;

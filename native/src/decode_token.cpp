@@ -1,7 +1,8 @@
 // A decode step's layer loop in one call: each layer's attention block and router (decode_layer), then its
 // routed experts straight from the ring into the residual stream, while every record they need is held.
 // The loop stops at the first layer it cannot finish alone (a dense MLP, or an expert whose record is not
-// held), with that layer's h and top-k left for the caller, which runs it and calls again from the next.
+// held), with that layer's h and top-k left for the caller, which runs it and calls again from the next;
+// the call that finishes the last layer also runs the final norm and lm_head when given a head.
 // It exists for speed only: per layer, the Python loop it replaces cost as much as 0.1 ms of interpreter
 // work, most of it cache misses after the weights streamed through.
 #include "mosaic/expert_ring.h"
@@ -9,9 +10,10 @@
 
 namespace mosaic {
 
-DecodeLayersResult decode_layers(DecodeLayer* layers, int n_layers, int first, const LoopExperts* experts, float* x,
-                                 float* h, int pos, const float* cos, const float* signed_sin, float* topk_weights,
-                                 int32_t* topk_ids, float* scratch, int threads, Isa isa) {
+DecodeLayersResult decode_layers(DecodeLayer* layers, int n_layers, int first, const LoopExperts* experts,
+                                 const DecodeHead* head, float* x, float* h, int pos, const float* cos,
+                                 const float* signed_sin, float* topk_weights, int32_t* topk_ids, float* logits,
+                                 float* scratch, int threads, Isa isa) {
   DecodeLayersResult result{n_layers, 0.0};
   for (int i = first; i < n_layers; ++i) {
     const DecodeLayer& L = layers[i];
@@ -42,6 +44,7 @@ DecodeLayersResult decode_layers(DecodeLayer* layers, int n_layers, int first, c
                 experts->threads, nullptr, &timing);
     result.kernel_s += timing.total_s;
   }
+  if (head != nullptr) decode_head(*head, x, logits, scratch, threads, isa);
   return result;
 }
 

@@ -141,6 +141,15 @@ uint64_t decode_layer_scratch_floats(const DecodeLayer& layer);
 void decode_layer(const DecodeLayer& layer, float* x, float* h, int pos, const float* cos, const float* signed_sin,
                   float* topk_weights, int32_t* topk_ids, float* scratch, int threads, Isa isa);
 
+// A decode step's final RMSNorm and lm_head (the logits of the token).
+struct DecodeHead {
+  const float* norm;
+  float eps;
+  BackboneMatrix lm_head;  // [vocab, hidden]
+};
+// logits = lm_head(RMSNorm(x)); scratch holds hidden floats.
+void decode_head(const DecodeHead& head, const float* x, float* logits, float* scratch, int threads, Isa isa);
+
 class ExpertRing;
 // The routed experts' side of decode_layers: records held in an expert ring.
 struct LoopExperts {
@@ -161,9 +170,11 @@ struct DecodeLayersResult {
 // the ring while their records are held; stops at a dense layer, at one whose records are not all held, or
 // at the first MoE layer when experts is null. topk_weights / topk_ids are [n_layers, top_k]. Each layer's
 // cache pointers are set beforehand.
-DecodeLayersResult decode_layers(DecodeLayer* layers, int n_layers, int first, const LoopExperts* experts, float* x,
-                                 float* h, int pos, const float* cos, const float* signed_sin, float* topk_weights,
-                                 int32_t* topk_ids, float* scratch, int threads, Isa isa);
+// With a head, a loop that finishes the last layer also writes logits [lm_head rows] = lm_head(RMSNorm(x)).
+DecodeLayersResult decode_layers(DecodeLayer* layers, int n_layers, int first, const LoopExperts* experts,
+                                 const DecodeHead* head, float* x, float* h, int pos, const float* cos,
+                                 const float* signed_sin, float* topk_weights, int32_t* topk_ids, float* logits,
+                                 float* scratch, int threads, Isa isa);
 
 // Y[n, rows] = X[n, cols] @ W.T for W in Q4_G32 (a vault plane's layout: codes [rows, ceil(cols/32)*16],
 // f16 scales [rows, ceil(cols/32)]), through the expert kernels' Q4 matvec of `isa` (int8 activations
