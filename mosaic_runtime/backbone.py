@@ -12,10 +12,11 @@ changes which experts run), norms and other vectors.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from .memory import HugePageArena
 from .vault.quant import dequantize_q4, quantize_q4
 
 BACKBONE_MODES = ("bf16", "int8", "fp8", "q4")
@@ -97,3 +98,25 @@ def prepare_backbone(weights: dict[str, torch.Tensor], mode: str, tie_word_embed
         if w.dim() == 2 and _QUANTISED.search(name):
             out[name] = quantize_matrix(w, mode)
     return out
+
+
+def _arrays(w) -> dict[str, torch.Tensor]:
+    """The tensors a backbone entry holds, by field name ({"": w} for a plain tensor)."""
+    if isinstance(w, (QuantizedMatrix, Q4Matrix)):
+        return {"codes": w.codes, "scales": w.scales}
+    return {"": w}
+
+
+def on_huge_pages(weights: dict) -> dict:
+    """weights with every CPU tensor moved into one huge-page arena (memory.HugePageArena), in place, one
+    entry at a time so the originals are freed as they go. The projections stream from memory every
+    token; on 2 MiB pages they do not pay a TLB miss per 4 KiB."""
+    if any(t.device.type != "cpu" for w in weights.values() for t in _arrays(w).values()):
+        return weights
+    arena = HugePageArena(sum(HugePageArena.room(t) for w in weights.values() for t in _arrays(w).values()))
+    for name in list(weights):
+        w = weights[name]
+        moved = {field: arena.take(t) for field, t in _arrays(w).items()}
+        weights[name] = moved[""] if "" in moved else replace(w, **moved)
+        del w, moved
+    return weights

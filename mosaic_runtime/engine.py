@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from . import _native
-from .backbone import BACKBONE_MODES, prepare_backbone
+from .backbone import BACKBONE_MODES, on_huge_pages, prepare_backbone
 from .cache.store import ExpertStore
 from .experts import NativeExperts, TorchExperts
 from .generate import Detokenizer, TextCodec, sample
@@ -189,6 +189,8 @@ class Engine:
         weights = prepare_backbone(load_file(directory / BACKBONE_FILE), backbone, vault.arch["tie_word_embeddings"])
         if on_cuda:
             weights = {name: w.to(dev) for name, w in weights.items()}
+        else:
+            weights = on_huge_pages(weights)
         # On CUDA the model's own tensors (RoPE tables, KV pool, recurrent state) are made on the device.
         with torch.device(dev) if on_cuda else contextlib.nullcontext():
             model = MODELS[model_type](vault.arch, weights, experts, max_seq, kv_dtype=kv_torch_dtype)

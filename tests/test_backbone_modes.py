@@ -49,3 +49,25 @@ def test_hybrid_fused_projections_are_unfused_after_quantisation(tmp_path, mode)
 def test_unknown_backbone_mode_is_refused(bundled):
     with pytest.raises(ValueError, match="backbone"):
         Engine.open(bundled, backbone="int4")
+
+
+@pytest.mark.parametrize("mode", ["bf16", "q4"])
+def test_backbone_moves_onto_huge_pages_unchanged(bundled, mode):
+    """on_huge_pages: every tensor (a quantised matrix's codes and scales too) a view of one arena, aligned
+    to a cache line, with the same dtype, shape and bits; the engine's model holds those views."""
+    from safetensors.torch import load_file
+
+    from mosaic_runtime.backbone import _arrays, on_huge_pages, prepare_backbone
+    from mosaic_runtime.vault.format import BACKBONE_FILE
+    weights = prepare_backbone(load_file(bundled / BACKBONE_FILE), mode, tie_word_embeddings=True)
+    before = {(name, f): t.clone() for name, w in weights.items() for f, t in _arrays(w).items()}
+    moved = on_huge_pages(weights)
+    after = {(name, f): t for name, w in moved.items() for f, t in _arrays(w).items()}
+    assert after.keys() == before.keys()
+    assert len({t.untyped_storage().data_ptr() for t in after.values()}) == 1
+    for key, t in after.items():
+        assert t.dtype == before[key].dtype and torch.equal(t, before[key]) and t.data_ptr() % 64 == 0, key
+    with Engine.open(bundled, max_seq=64, backbone=mode) as engine:
+        q = engine.model.layers[0].q_proj
+        held = [q.codes, engine.model.lm_head.codes] if mode == "q4" else [q, engine.model.embed]
+        assert held[0].untyped_storage().data_ptr() == held[1].untyped_storage().data_ptr()
