@@ -15,10 +15,17 @@ namespace mosaic {
 namespace {
 
 void rms_norm(const float* x, const float* w, int n, float eps, float* y) {
-  double ss = 0.0;  // double: one pass, no cancellation worries over thousands of squares
-  for (int i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
+  // double: one pass, no cancellation worries over thousands of squares; 8 partial sums, so the loop is
+  // not one chain of dependent adds (which made this 4.7 us of a layer's serial time).
+  double part[8] = {};
+  int i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) part[j] += static_cast<double>(x[i + j]) * x[i + j];
+  double ss = 0.0;
+  for (; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
+  for (double p : part) ss += p;
   const float inv = 1.0f / std::sqrt(static_cast<float>(ss / n) + eps);
-  for (int i = 0; i < n; ++i) y[i] = w[i] * (x[i] * inv);
+  for (i = 0; i < n; ++i) y[i] = w[i] * (x[i] * inv);
 }
 
 void project(const BackboneMatrix& p, const float* x, float* y, int threads, Isa isa) {
@@ -70,11 +77,13 @@ void project_together(const BackboneMatrix* const* ps, float* const* ys, int cou
 // Rotate-half RoPE of the first rot values of each head, with sin's first half negated (Rotary.at).
 void rope(float* x, int heads, int d, int rot, const float* cos, const float* signed_sin) {
   const int half = rot / 2;
-  float tmp[1024];
   for (int h = 0; h < heads; ++h) {
     float* xh = x + static_cast<int64_t>(h) * d;
-    std::memcpy(tmp, xh, sizeof(float) * rot);
-    for (int i = 0; i < rot; ++i) xh[i] = tmp[i] * cos[i] + tmp[(i + half) % rot] * signed_sin[i];
+    for (int i = 0; i < half; ++i) {  // the pair (i, i + half) at once: no copy, and the loop vectorizes
+      const float a = xh[i], b = xh[i + half];
+      xh[i] = a * cos[i] + b * signed_sin[i];
+      xh[i + half] = b * cos[i + half] + a * signed_sin[i + half];
+    }
   }
 }
 
