@@ -22,6 +22,16 @@ from .memory import zeroed_pool
 PAGE_TOKENS = 256
 
 
+class KVRun(NamedTuple):
+    """Every reserved page of every layer as one view: k, v [L, Hkv, rows, D]; an int8 cache's row scales
+    k_scale, v_scale [L, Hkv, rows] (else None)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+
 class Int8Rows(NamedTuple):
     """Keys or values of an int8 cache over positions 0..end-1: codes [Hkv, end, D], scales [Hkv, end]."""
 
@@ -97,16 +107,22 @@ class KVCache:
                     Int8Rows(self._span(self.v, layer, end), self._span(self.v_scale, layer, end)))
         return self._span(self.k, layer, end), self._span(self.v, layer, end)
 
-    def contiguous_run(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def contiguous_run(self) -> KVRun | None:
         """Keys and values of every reserved page, all layers, as [L, Hkv, pages * page_tokens, D] views
-        when the pages are one ascending run (position p is row p), else None."""
+        (an int8 cache's scales as [L, Hkv, pages * page_tokens]) when the pages are one ascending run
+        (position p is row p), else None."""
         n = len(self.pages)
         if n == 0 or self.pages != list(range(self.pages[0], self.pages[0] + n)):
             return None
         first = self.pages[0]
-        layers, heads, dim = self.k.shape[0], self.k.shape[1], self.k.shape[4]
-        return (self.k[:, :, first:first + n].reshape(layers, heads, -1, dim),
-                self.v[:, :, first:first + n].reshape(layers, heads, -1, dim))
+        layers, heads = self.k.shape[0], self.k.shape[1]
+
+        def run(pool: torch.Tensor) -> torch.Tensor:
+            return pool[:, :, first:first + n].reshape(layers, heads, -1, *pool.shape[4:])
+
+        if self.quantized:
+            return KVRun(run(self.k), run(self.v), run(self.k_scale), run(self.v_scale))
+        return KVRun(run(self.k), run(self.v))
 
     def reserve(self, end: int) -> None:
         """Take pages from the pool until positions 0..end-1 have room (a step that writes them itself)."""

@@ -15,7 +15,7 @@ from .. import _native
 from ..backbone import Q4Matrix, QuantizedMatrix
 from ..experts import ExpertExecutor
 from ..ops import Q4_ISA, linear, threads
-from ..kv_cache import KVCache
+from ..kv_cache import KVCache, KVRun
 from ..routing import ROUTERS
 from .base import Rotary, cached_attention, rms_norm, swiglu
 
@@ -92,8 +92,8 @@ class Qwen3Moe:
 
     def _native_layers(self) -> list | None:
         """One native DecodeLayer per layer (native/src/decode_layer.cpp): a decode step's attention block
-        and router in one call each. None where it does not apply: weights on a GPU or in float32, a
-        bf16 KV cache, activations other than float32."""
+        and router in one call each (a float32, bf16 or int8 KV cache). None where it does not apply:
+        weights on a GPU or in float32, activations other than float32."""
         def matrix(w):
             if isinstance(w, QuantizedMatrix):
                 return (w.codes.numpy(), w.scales.numpy(), 2 if w.fp8 else 1)
@@ -103,7 +103,7 @@ class Qwen3Moe:
                 return (w.view(torch.uint16).numpy(), None, 0)
             return None
 
-        if self.dtype != torch.float32 or self.kv.k.dtype != torch.float32 or self.kv.k.device.type != "cpu":
+        if self.dtype != torch.float32 or self.kv.k.device.type != "cpu":
             return None
         geometry = dict(hidden=self.embed.shape[1], heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
                         rot_dim=self.rotary.rot_dim, top_k=self.top_k, norm_topk_prob=int(self.arch["norm_topk_prob"]),
@@ -125,7 +125,7 @@ class Qwen3Moe:
         self._topk = np.zeros((len(layers), self.top_k), np.float32), np.zeros((len(layers), self.top_k), np.int32)
         return layers
 
-    def _decode_native(self, token: int, pos: int, run: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def _decode_native(self, token: int, pos: int, run: KVRun) -> torch.Tensor:
         """One decode step through the native layers, its page already reserved and `run` the cache's
         contiguous views; the same result as the torch path of forward() within float rounding
         (tests/test_decode_layer.py holds them together).
@@ -144,13 +144,15 @@ class Qwen3Moe:
         native_loop = getattr(self.experts, "native_loop", None)
         experts = native_loop(self.top_k) if native_loop is not None else None
         add_experts = getattr(self.experts, "add_decode", None)
-        k_run, v_run = run[0].numpy(), run[1].numpy()
+        # numpy has no bf16: a bf16 cache goes as its bit patterns, which decode_layers reads as bf16
+        k_run, v_run = ((t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy() for t in (run.k, run.v))
+        kv_scales = None if run.k_scale is None else (run.k_scale.numpy(), run.v_scale.numpy())
         logits = None if self._head is None else np.empty(self._head[1], np.float32)  # a new array: callers keep it
         head = None if logits is None else (self._head[0], logits)
         first = 0
         while True:
             stop, kernel_s = decode_layers(self.native_layers, first, isa, n_threads, x, h, pos, cos, signed_sin, k_run,
-                                           v_run, weights, ids, self._scratch, experts, head)
+                                           v_run, kv_scales, weights, ids, self._scratch, experts, head)
             if experts is not None:
                 self.experts.ran_natively(range(first, stop), ids, kernel_s)
             if stop == n:

@@ -204,20 +204,23 @@ void init_kernels(nb::module_& m) {
   };
   using Floats1Out = nb::ndarray<float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
   using AnyMatrix = nb::ndarray<nb::ndim<2>, nb::c_contig, nb::device::cpu>;
-  // Layer i's cache rows in a [layers, kv_heads, rows, head_dim] float32 run.
-  using F32Run = nb::ndarray<const float, nb::ndim<4>, nb::device::cpu>;
+  // Layer i's cache rows in a [layers, kv_heads, rows, head_dim] run of float32, bf16 (as uint16) or int8;
+  // an int8 cache's row scales in float32 [layers, kv_heads, rows] runs.
+  using KvRun = nb::ndarray<nb::ndim<4>, nb::device::cpu>;
+  using ScaleRun = nb::ndarray<float, nb::ndim<3>, nb::device::cpu>;
   struct CacheView {
-    const float* data;
+    void* data;
     size_t heads, rows, dim;
     int64_t head_stride, row_stride, col_stride;
-    static CacheView of(const F32Run& r, size_t i) {
-      return {r.data() + static_cast<int64_t>(i) * r.stride(0), r.shape(1), r.shape(2), r.shape(3), r.stride(1),
-              r.stride(2), r.stride(3)};
+    static CacheView of(const KvRun& r, size_t i) {
+      return {static_cast<char*>(r.data()) + static_cast<int64_t>(i) * r.stride(0) * static_cast<int64_t>(r.itemsize()),
+              r.shape(1), r.shape(2), r.shape(3), r.stride(1), r.stride(2), r.stride(3)};
     }
   };
   // Checks one call's shapes against the layer and points it at its cache rows.
   auto bind_layer = [](DecodeLayer& L, size_t x_size, size_t h_size, int pos, size_t cos_size, size_t sin_size,
-                       CacheView kc, CacheView vc, size_t scratch_floats) {
+                       KvDtype kv_dtype, CacheView kc, CacheView vc, float* k_scale, float* v_scale,
+                       int64_t scale_head_stride, size_t scratch_floats) {
     const size_t d = static_cast<size_t>(L.head_dim);
     check(x_size == static_cast<size_t>(L.hidden) && h_size == x_size, "DecodeLayer: x/h size");
     check(cos_size == static_cast<size_t>(L.rot_dim) && sin_size == cos_size, "DecodeLayer: rope tables");
@@ -227,11 +230,14 @@ void init_kernels(nb::module_& m) {
     check(kc.col_stride == 1 && kc.row_stride == static_cast<int64_t>(d) && vc.col_stride == 1 &&
               vc.row_stride == static_cast<int64_t>(d), "DecodeLayer: cache rows must be contiguous");
     check(scratch_floats >= decode_layer_scratch_floats(L), "DecodeLayer: scratch too small");
-    // The cache arrays are read-only views for nanobind; this call is their one writer.
-    L.k_cache = const_cast<float*>(kc.data);
-    L.v_cache = const_cast<float*>(vc.data);
+    L.kv_dtype = kv_dtype;
+    L.k_cache = kc.data;
+    L.v_cache = vc.data;
     L.k_head_stride = kc.head_stride;
     L.v_head_stride = vc.head_stride;
+    L.k_scale = k_scale;
+    L.v_scale = v_scale;
+    L.scale_head_stride = scale_head_stride;
   };
   // A backbone matrix from (codes, scales, kind[, cols]): bf16 bits [rows, cols] and no scales; int8 / E4M3
   // codes [rows, cols] and float32 scales [rows]; Q4 codes [rows, ceil(cols/32)*16] and f16 scales [rows,
@@ -314,7 +320,8 @@ void init_kernels(nb::module_& m) {
                                              self->keep);
       });
   // A decode step's layer loop (native/src/decode_token.cpp): layers[first:] with their caches at
-  // k_run[i] / v_run[i] ([layers, kv_heads, rows, head_dim]) and, unless experts is None, each MoE layer's
+  // k_run[i] / v_run[i] ([layers, kv_heads, rows, head_dim]; kv_scales = (k_scale, v_scale) runs for an
+  // int8 cache, else None) and, unless experts is None, each MoE layer's
   // experts from the ring: experts = (isa, threads, quant, scale_dtype, hidden, intermediate, ring,
   // slot_of [layers, n_experts] int32, scratch). Returns (the layer left to the caller or len(layers),
   // the experts' kernel seconds).
@@ -323,18 +330,39 @@ void init_kernels(nb::module_& m) {
   using Ints2 = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
   k.def("decode_layers", [bind_layer](std::vector<PyDecodeLayer*> layers, int first, int isa, int threads,
                                       Floats1Out x, Floats1Out h, int pos, Floats1 cos, Floats1 signed_sin,
-                                      F32Run k_run, F32Run v_run, Floats2Out topk_weights, Ints2Out topk_ids,
-                                      Scratch scratch, nb::object experts, nb::object head) {
+                                      KvRun k_run, KvRun v_run, nb::object kv_scales, Floats2Out topk_weights,
+                                      Ints2Out topk_ids, Scratch scratch, nb::object experts, nb::object head) {
     const size_t n = layers.size();
     check(first >= 0 && static_cast<size_t>(first) <= n && k_run.shape(0) == n && v_run.shape(0) == n,
           "decode_layers: one cache run per layer");
     check(isa_available(Isa(isa)), "decode_layers: this CPU lacks that ISA");
+    check(k_run.dtype() == v_run.dtype(), "decode_layers: K and V runs of one dtype");
+    KvDtype kv_dtype = KvDtype::F32;
+    if (k_run.dtype() == nb::dtype<uint16_t>()) kv_dtype = KvDtype::Bf16;
+    else if (k_run.dtype() == nb::dtype<int8_t>()) kv_dtype = KvDtype::I8;
+    else check(k_run.dtype() == nb::dtype<float>(), "decode_layers: a KV cache of float32, bf16 (as uint16) or int8");
+    ScaleRun k_scale, v_scale;
+    check((kv_dtype == KvDtype::I8) == !kv_scales.is_none(), "decode_layers: row scales for an int8 cache only");
+    if (kv_dtype == KvDtype::I8) {
+      nb::tuple t = nb::cast<nb::tuple>(kv_scales);
+      check(t.size() == 2, "decode_layers: kv_scales = (k_scale, v_scale)");
+      k_scale = nb::cast<ScaleRun>(t[0]);
+      v_scale = nb::cast<ScaleRun>(t[1]);
+      check(k_scale.shape(0) == n && v_scale.shape(0) == n && k_scale.shape(1) == k_run.shape(1) &&
+                v_scale.shape(1) == k_run.shape(1) && k_scale.shape(2) == k_run.shape(2) &&
+                v_scale.shape(2) == v_run.shape(2) && k_scale.stride(2) == 1 && v_scale.stride(2) == 1 &&
+                k_scale.stride(1) == v_scale.stride(1),
+            "decode_layers: scale runs [layers, kv_heads, rows], contiguous along rows, one head stride");
+    }
     std::vector<DecodeLayer> native(n);
     for (size_t i = 0; i < n; ++i) {
       check(layers[i] != nullptr, "decode_layers: a layer is None");
       DecodeLayer& L = layers[i]->layer;
-      bind_layer(L, x.shape(0), h.shape(0), pos, cos.shape(0), signed_sin.shape(0), CacheView::of(k_run, i),
-                 CacheView::of(v_run, i), scratch.shape(0));
+      const bool i8 = kv_dtype == KvDtype::I8;
+      bind_layer(L, x.shape(0), h.shape(0), pos, cos.shape(0), signed_sin.shape(0), kv_dtype, CacheView::of(k_run, i),
+                 CacheView::of(v_run, i), i8 ? k_scale.data() + static_cast<int64_t>(i) * k_scale.stride(0) : nullptr,
+                 i8 ? v_scale.data() + static_cast<int64_t>(i) * v_scale.stride(0) : nullptr,
+                 i8 ? k_scale.stride(1) : 0, scratch.shape(0));
       check(L.router.rows == 0 || (topk_weights.shape(0) == n && topk_weights.shape(1) == static_cast<size_t>(L.top_k) &&
                                    topk_ids.shape(0) == n && topk_ids.shape(1) == topk_weights.shape(1)),
             "decode_layers: top-k arrays [layers, top_k]");
@@ -390,7 +418,8 @@ void init_kernels(nb::module_& m) {
     }
     return std::make_tuple(r.stop, r.kernel_s);
   }, nb::arg("layers"), nb::arg("first"), nb::arg("isa"), nb::arg("threads"), nb::arg("x"), nb::arg("h"), nb::arg("pos"),
-     nb::arg("cos"), nb::arg("signed_sin"), nb::arg("k_run"), nb::arg("v_run"), nb::arg("topk_weights"),
+     nb::arg("cos"), nb::arg("signed_sin"), nb::arg("k_run"), nb::arg("v_run"), nb::arg("kv_scales").none(),
+     nb::arg("topk_weights"),
      nb::arg("topk_ids"), nb::arg("scratch"), nb::arg("experts").none(), nb::arg("head").none() = nb::none());
   k.def("linear_q4", [](int isa, int threads, nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> codes,
                         nb::ndarray<const uint16_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> scales, Matrix x,

@@ -87,6 +87,35 @@ void rope(float* x, int heads, int d, int rot, const float* cos, const float* si
   }
 }
 
+// One key or value row x [d] into the cache at element `at` as the cache holds it, rounded as
+// kv_cache.KVCache.store rounds: bf16 to nearest even (torch's conversion); int8 to code = round half to
+// even of x / scale, scale = amax / 127 (kv_cache.quantize_rows), its scale at scale_at.
+void store_row(const DecodeLayer& L, void* cache, int64_t at, float* scales, int64_t scale_at, const float* x, int d) {
+  switch (L.kv_dtype) {
+    case KvDtype::F32:
+      std::memcpy(static_cast<float*>(cache) + at, x, sizeof(float) * d);
+      break;
+    case KvDtype::Bf16: {
+      uint16_t* out = static_cast<uint16_t*>(cache) + at;
+      for (int i = 0; i < d; ++i) {
+        uint32_t u;
+        std::memcpy(&u, &x[i], sizeof u);
+        out[i] = std::isnan(x[i]) ? uint16_t{0x7FC0} : static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+      }
+      break;
+    }
+    case KvDtype::I8: {
+      float amax = 0.f;
+      for (int i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
+      const float scale = amax / 127.0f, div = std::max(scale, 1e-30f);
+      int8_t* out = static_cast<int8_t*>(cache) + at;
+      for (int i = 0; i < d; ++i) out[i] = static_cast<int8_t>(std::clamp(std::nearbyint(x[i] / div), -127.f, 127.f));
+      scales[scale_at] = scale;
+      break;
+    }
+  }
+}
+
 }  // namespace
 
 uint64_t decode_layer_scratch_floats(const DecodeLayer& L) {
@@ -119,15 +148,27 @@ void decode_layer(const DecodeLayer& L, float* x, float* h, int pos, const float
   for (int g = 0; g < hkv; ++g) rms_norm(k + static_cast<int64_t>(g) * d, L.k_norm, d, L.eps, k + static_cast<int64_t>(g) * d);
   rope(q, hq, d, L.rot_dim, cos, signed_sin);
   rope(k, hkv, d, L.rot_dim, cos, signed_sin);
-  // This position's keys and values into the cache, one row per KV head.
+  // This position's keys and values into the cache, one row per KV head, then attention over it.
   for (int g = 0; g < hkv; ++g) {
-    std::memcpy(L.k_cache + g * L.k_head_stride + static_cast<int64_t>(pos) * d, k + static_cast<int64_t>(g) * d,
-                sizeof(float) * d);
-    std::memcpy(L.v_cache + g * L.v_head_stride + static_cast<int64_t>(pos) * d, v + static_cast<int64_t>(g) * d,
-                sizeof(float) * d);
+    const int64_t row = static_cast<int64_t>(pos) * d, scale_at = g * L.scale_head_stride + pos;
+    store_row(L, L.k_cache, g * L.k_head_stride + row, L.k_scale, scale_at, k + static_cast<int64_t>(g) * d, d);
+    store_row(L, L.v_cache, g * L.v_head_stride + row, L.v_scale, scale_at, v + static_cast<int64_t>(g) * d, d);
   }
-  decode_attention(q, hq, d, L.k_cache, L.v_cache, L.k_head_stride, L.v_head_stride, hkv, pos + 1, L.scale, attn,
-                   threads, isa);
+  switch (L.kv_dtype) {
+    case KvDtype::F32:
+      decode_attention(q, hq, d, static_cast<const float*>(L.k_cache), static_cast<const float*>(L.v_cache),
+                       L.k_head_stride, L.v_head_stride, hkv, pos + 1, L.scale, attn, threads, isa);
+      break;
+    case KvDtype::Bf16:
+      decode_attention_bf16(q, hq, d, static_cast<const uint16_t*>(L.k_cache), static_cast<const uint16_t*>(L.v_cache),
+                            L.k_head_stride, L.v_head_stride, hkv, pos + 1, L.scale, attn, threads, isa);
+      break;
+    case KvDtype::I8:
+      decode_attention_i8(q, hq, d, static_cast<const int8_t*>(L.k_cache), static_cast<const int8_t*>(L.v_cache),
+                          L.k_head_stride, L.v_head_stride, L.k_scale, L.v_scale, L.scale_head_stride, hkv, pos + 1,
+                          L.scale, attn, threads, isa);
+      break;
+  }
   project(L.o, attn, o, threads, isa);
   for (int i = 0; i < H; ++i) x[i] += o[i];
   rms_norm(x, L.post_norm, H, L.eps, h);

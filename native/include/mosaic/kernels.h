@@ -122,17 +122,24 @@ struct BackboneMatrix {
   int rows = 0, cols = 0;         // rows == 0: absent (the router of a dense layer)
 };
 
+// The element type of a decode step's KV cache (kv_cache.KVCache): float32, bf16 bit patterns, or int8
+// codes with a float32 scale per (position, KV head) row.
+enum class KvDtype : int { F32 = 0, Bf16 = 1, I8 = 2 };
+
 // One Qwen3-MoE layer's attention block and router for a decode step (models/qwen3_moe.py holds the
 // reference). k_cache / v_cache point at position 0 of the layer's keys for KV head 0, rows head_dim
-// floats apart, heads *_head_stride floats apart (a run of pages of the paged cache).
+// elements apart, heads *_head_stride elements apart (a run of pages of the paged cache); an int8 cache's
+// row scales likewise, heads scale_head_stride floats apart.
 struct DecodeLayer {
   int hidden, heads, kv_heads, head_dim, rot_dim, top_k;
   bool norm_topk_prob;
   float eps, scale;
   const float *input_norm, *post_norm, *q_norm, *k_norm;
   BackboneMatrix q, k, v, o, router;
-  float *k_cache, *v_cache;
-  int64_t k_head_stride, v_head_stride;
+  KvDtype kv_dtype;
+  void *k_cache, *v_cache;
+  float *k_scale, *v_scale;
+  int64_t k_head_stride, v_head_stride, scale_head_stride;
 };
 
 uint64_t decode_layer_scratch_floats(const DecodeLayer& layer);
