@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .memory import HugePageArena
+from .memory import HUGE_PAGES, HugePageArena
 from .vault.quant import dequantize_q4, quantize_q4
 
 BACKBONE_MODES = ("bf16", "int8", "fp8", "q4")
@@ -110,8 +110,10 @@ def _arrays(w) -> dict[str, torch.Tensor]:
 def on_huge_pages(weights: dict) -> dict:
     """weights with every CPU tensor moved into one huge-page arena (memory.HugePageArena), in place, one
     entry at a time so the originals are freed as they go. The projections stream from memory every
-    token; on 2 MiB pages they do not pay a TLB miss per 4 KiB."""
-    if any(t.device.type != "cpu" for w in weights.values() for t in _arrays(w).values()):
+    token; on 2 MiB pages they do not pay a TLB miss per 4 KiB. Unchanged where there are no huge pages
+    to ask for (the arena would be zeroed memory, touched at once: two copies at the peak) or a tensor is
+    not on the CPU."""
+    if not HUGE_PAGES or any(t.device.type != "cpu" for w in weights.values() for t in _arrays(w).values()):
         return weights
     arena = HugePageArena(sum(HugePageArena.room(t) for w in weights.values() for t in _arrays(w).values()))
     for name in list(weights):

@@ -17,6 +17,11 @@ import mmap
 import torch
 
 
+# Whether zeroed_pool can ask for huge pages: private anonymous maps and madvise (Linux). Elsewhere it is
+# plain zeroed memory, touched at once.
+HUGE_PAGES = hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MADV_HUGEPAGE")
+
+
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed tensor of `shape` on the default device; on the CPU, in its own huge-page mapping."""
     if torch.get_default_device().type != "cpu":
