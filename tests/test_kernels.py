@@ -202,3 +202,24 @@ def test_backbone_quantisation_error_is_bounded(mode, worst):
     q = quantize_matrix(w, mode).dequantize()
     rel = ((q - w).norm() / w.norm()).item()
     assert rel < worst  # int8 per row: ~1 %; E4M3 (3 mantissa bits): ~2-4 %; Q4 per 32: ~10 %
+
+
+@pytest.mark.parametrize("quant", [QuantType.Q4_G32, QuantType.FP8_B128])
+@pytest.mark.parametrize("hidden", [200, 300])
+def test_decode_shaped_calls_take_the_staged_driver_bit_for_bit(quant, hidden):
+    """One row a task (a decode step): each expert's gate, up and two halves of its down projection are
+    separate work items (moe_decode_staged; the halves split on an FP8 128-row block). The sums must be
+    those of the whole-expert driver, which a two-row task with weight zero forces."""
+    inter = 72
+    layout = record_layout(quant, ScaleDtype.F16 if quant is QuantType.Q4_G32 else ScaleDtype.F32, hidden, inter)
+    records = [random_record(layout, s) for s in range(5)]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, hidden, generator=g).numpy()
+    tokens = [np.array([i % 2], np.int32) for i in range(5)]
+    weights = [torch.rand(1, generator=g).numpy() for _ in range(5)]
+    for isa in ISAS:
+        for threads in (1, 2, 3):
+            staged = run_moe(layout, records, tokens, weights, x, isa, threads)
+            whole = run_moe(layout, records + [records[0]], tokens + [np.array([0, 1], np.int32)],
+                            weights + [np.zeros(2, np.float32)], x, isa, threads)
+            assert np.array_equal(staged, whole), (K.isa_name(isa), threads)

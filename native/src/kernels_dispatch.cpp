@@ -1,5 +1,9 @@
-// Run-time ISA choice and the MoE driver: whole experts per thread, combined in task order.
+// Run-time ISA choice and the MoE drivers: whole experts per thread (or, for a decode step, their
+// projections as work items), combined in task order.
+#include <immintrin.h>
 #include <omp.h>
+
+#include <algorithm>
 
 #include <atomic>
 #include <chrono>
@@ -48,10 +52,13 @@ IsaKernels kernels_for(Isa isa) {
   }
 }
 
-// Scratch: [task outputs: total_rows x H] then per thread [x rows: max_n x H][gate: max_n x I][up: max_n x I].
+// Scratch: [task outputs: total_rows x H] then per thread [x rows: max_n x H][gate: max_n x I][up: max_n x I];
+// a decode-shaped call (one row a task) may instead take [gate, up: 2 x I] per task (moe_decode_staged).
 uint64_t moe_scratch_floats(const RecordLayout& layout, int total_rows, int max_rows_per_task, int threads) {
   const uint64_t h = layout.planes[4].rows, i = layout.planes[0].rows;  // down codes rows = H; gate rows = I
-  return static_cast<uint64_t>(total_rows) * h + static_cast<uint64_t>(threads) * max_rows_per_task * (h + 2 * i);
+  const uint64_t per_thread = static_cast<uint64_t>(threads) * max_rows_per_task * (h + 2 * i);
+  const uint64_t staged = max_rows_per_task == 1 ? static_cast<uint64_t>(total_rows) * 2 * i : 0;
+  return static_cast<uint64_t>(total_rows) * h + std::max(per_thread, staged);
 }
 
 namespace {
@@ -76,6 +83,79 @@ double seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 
 }  // namespace
 
+// y += the tasks' experts in task order, for a decode-shaped call: every task one row, every record held.
+// Each expert is four work items, its gate and its up projection and two halves of its down projection's
+// rows, so the threads share the last expert instead of one of them running it alone: whole experts left
+// the threads idle 4 % of the MoE time, waiting on each other's last one. Every row is computed as in
+// moe_experts, so the sums are bit for bit its own.
+void moe_decode_staged(const RecordLayout& layout, QuantType quant, MatvecFn matvec, ScaleDtype sdt, const float* x,
+                       int hidden, const ExpertTask* tasks, int n_tasks, float* y, float* scratch, int threads) {
+  const Plane *gc = &layout.planes[0], *gs = &layout.planes[1], *uc = &layout.planes[2], *us = &layout.planes[3];
+  const Plane *dc = &layout.planes[4], *ds = &layout.planes[5];
+  const int inter = static_cast<int>(gc->rows);
+  // The down projection's rows split where a scale row starts (FP8: a 128-row block); the second half is
+  // empty when the first takes them all.
+  const int rows_per_scale_row = quant == QuantType::Q4_G32 ? 1 : kFp8;
+  const int align = std::max(16, rows_per_scale_row);
+  const int half = std::min(hidden, (hidden / 2 + align - 1) / align * align);
+  const uint64_t code_row_bytes = dc->nbytes / dc->rows, scale_row_bytes = ds->nbytes / ds->rows;
+  float* outs = scratch;                                   // [n_tasks][hidden]
+  float* gu = scratch + static_cast<uint64_t>(n_tasks) * hidden;  // [n_tasks][gate: inter, up: inter]
+  thread_local std::vector<std::atomic<uint8_t>> claimed;  // per item
+  thread_local std::vector<std::atomic<uint8_t>> halves;   // per task: gate and up done (2: activation ready)
+  const int items = 4 * n_tasks;
+  if (static_cast<int>(claimed.size()) < items) {
+    claimed = std::vector<std::atomic<uint8_t>>(items);
+    halves = std::vector<std::atomic<uint8_t>>(n_tasks);
+  }
+  for (int i = 0; i < items; ++i) claimed[i].store(0, std::memory_order_relaxed);
+  for (int t = 0; t < n_tasks; ++t) halves[t].store(0, std::memory_order_relaxed);
+  std::atomic<int> left{items};
+  auto* claim = claimed.data();
+  auto* ready = halves.data();
+#pragma omp parallel num_threads(threads)
+  while (left.load(std::memory_order_acquire) > 0) {
+    // The first unclaimed item it can run: a down half once its expert's activation is ready, else a gate
+    // or up projection (downs first, so the activations in flight stay few).
+    int pick = -1;
+    for (int i = 0; i < items && pick < 0; ++i) {
+      const int t = i % n_tasks, stage = 3 - i / n_tasks;  // items [down_hi.., down_lo.., up.., gate..]
+      if (claim[t * 4 + stage].load(std::memory_order_relaxed)) continue;
+      if (stage >= 2 && ready[t].load(std::memory_order_acquire) < 3) continue;
+      if (!claim[t * 4 + stage].exchange(1)) pick = t * 4 + stage;
+    }
+    if (pick < 0) {
+      _mm_pause();  // the other thread is finishing a gate or up this one's remaining downs need
+      continue;
+    }
+    const int t = pick / 4, stage = pick % 4;
+    const uint8_t* rec = tasks[t].record;
+    const float* xt = x + static_cast<uint64_t>(tasks[t].tokens[0]) * hidden;
+    float* g = gu + static_cast<uint64_t>(t) * 2 * inter;
+    float* u = g + inter;
+    if (stage < 2) {
+      if (stage == 0) matvec({rec + gc->offset, rec + gs->offset, sdt, inter, hidden, xt, hidden, 1, g, inter});
+      else matvec({rec + uc->offset, rec + us->offset, sdt, inter, hidden, xt, hidden, 1, u, inter});
+      if (ready[t].fetch_add(1, std::memory_order_acq_rel) == 1) {  // the second of the two: the activation
+        for (int i = 0; i < inter; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+        ready[t].store(3, std::memory_order_release);
+      }
+    } else {
+      const int r0 = stage == 2 ? 0 : half, r1 = stage == 2 ? half : hidden;
+      if (r1 > r0)
+        matvec({rec + dc->offset + r0 * code_row_bytes, rec + ds->offset + (r0 / rows_per_scale_row) * scale_row_bytes,
+                sdt, r1 - r0, inter, g, inter, 1, outs + static_cast<uint64_t>(t) * hidden + r0, hidden});
+    }
+    left.fetch_sub(1, std::memory_order_acq_rel);
+  }
+  for (int t = 0; t < n_tasks; ++t) {  // in task order: the same sums whatever the threads did
+    float* dst = y + static_cast<uint64_t>(tasks[t].tokens[0]) * hidden;
+    const float* src = outs + static_cast<uint64_t>(t) * hidden;
+    const float w = tasks[t].weights[0];
+    for (int c = 0; c < hidden; ++c) dst[c] += w * src[c];
+  }
+}
+
 int moe_experts(const RecordLayout& layout, QuantType quant, const float* x, int hidden, const ExpertTask* tasks,
                 int n_tasks, float* y, float* scratch, Isa isa, int threads, const Arrivals* arrivals,
                 MoeTiming* timing) {
@@ -86,6 +166,13 @@ int moe_experts(const RecordLayout& layout, QuantType quant, const float* x, int
   const Plane *dc = &layout.planes[4], *ds = &layout.planes[5];
   const int inter = static_cast<int>(gc->rows);
   const ScaleDtype sdt = quant == QuantType::Q4_G32 ? ScaleDtype::F16 : layout.scale_dtype;
+  bool one_row = arrivals == nullptr;  // every record held, every task one row: the staged driver
+  for (int t = 0; t < n_tasks && one_row; ++t) one_row = tasks[t].n == 1;
+  if (one_row) {
+    moe_decode_staged(layout, quant, matvec, sdt, x, hidden, tasks, n_tasks, y, scratch, threads);
+    if (timing) timing->wait_s = 0.0, timing->total_s = seconds(Clock::now() - start);
+    return -1;
+  }
 
   thread_local DriverState st;
   st.reserve(n_tasks);
