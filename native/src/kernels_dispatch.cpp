@@ -83,7 +83,7 @@ double seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 
 }  // namespace
 
-// y += the tasks' experts in task order, for a decode-shaped call: every task one row, every record held.
+// y += the tasks' experts in task order, for a decode-shaped call: every task one row, every record here.
 // Each expert is four work items, its gate and its up projection and two halves of its down projection's
 // rows, so the threads share the last expert instead of one of them running it alone: whole experts left
 // the threads idle 4 % of the MoE time, waiting on each other's last one. Every row is computed as in
@@ -166,8 +166,11 @@ int moe_experts(const RecordLayout& layout, QuantType quant, const float* x, int
   const Plane *dc = &layout.planes[4], *ds = &layout.planes[5];
   const int inter = static_cast<int>(gc->rows);
   const ScaleDtype sdt = quant == QuantType::Q4_G32 ? ScaleDtype::F16 : layout.scale_dtype;
-  bool one_row = arrivals == nullptr;  // every record held, every task one row: the staged driver
-  for (int t = 0; t < n_tasks && one_row; ++t) one_row = tasks[t].n == 1;
+  auto ready = [&](int t) {
+    return tasks[t].slot < 0 || arrivals == nullptr ? RecordStatus::Ready : arrivals->status(tasks[t].slot);
+  };
+  bool one_row = true;  // every task one row and every record already here: the staged driver
+  for (int t = 0; t < n_tasks && one_row; ++t) one_row = tasks[t].n == 1 && ready(t) == RecordStatus::Ready;
   if (one_row) {
     moe_decode_staged(layout, quant, matvec, sdt, x, hidden, tasks, n_tasks, y, scratch, threads);
     if (timing) timing->wait_s = 0.0, timing->total_s = seconds(Clock::now() - start);
@@ -190,10 +193,6 @@ int moe_experts(const RecordLayout& layout, QuantType quant, const float* x, int
   std::atomic<int> failed{-1};
   std::atomic<int64_t> wait_ns{0};
   DriverState* shared = &st;
-
-  auto ready = [&](int t) {
-    return tasks[t].slot < 0 || arrivals == nullptr ? RecordStatus::Ready : arrivals->status(tasks[t].slot);
-  };
 
 #pragma omp parallel num_threads(threads)
   {
