@@ -37,7 +37,7 @@ def decode_case(model: Path, share: float, policy: str, warm: int, tokens: int, 
         if device == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
-        out += list(engine.generate_ids([out[-1]], max_new_tokens=tokens, cached=engine.model.kv.length))
+        out += list(engine.generate_ids([out[-1]], max_new_tokens=tokens, cached=engine.model.state.length))
         elapsed = time.perf_counter() - t
         engine._sync_stats()
         hits = sum(c.hits - before.get(k, (0, 0))[0] for k, c in engine.stats.tier.items())

@@ -37,25 +37,25 @@ class Conversation:
     def reset(self) -> None:
         self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
         self.cached_ids: list[int] = []
-        self.engine.model.kv.reset()
+        self.engine.model.state.reset()
 
     def _prompt(self) -> tuple[list[int], int]:
         """(the conversation's tokens, how many leading ones the cache already holds)."""
         codec = self.engine.codec
-        self.cached_ids = self.cached_ids[:self.engine.model.kv.length]  # the cache may have been reset
+        self.cached_ids = self.cached_ids[:self.engine.model.state.length]  # the cache may have been reset
         text = codec.render_chat(self.messages)
         cached_text = codec.decode(self.cached_ids, skip_special_tokens=False)
         if self.cached_ids and text.startswith(cached_text) and len(text) > len(cached_text):
             return self.cached_ids + codec.encode(text[len(cached_text):]), len(self.cached_ids)
         ids = codec.encode(text)
         keep = min(common_prefix(self.cached_ids, ids), len(ids) - 1)
-        if keep < len(self.cached_ids) and not getattr(self.engine.model.kv, "rewindable", True):
+        if keep < len(self.cached_ids) and not self.engine.model.state.rewindable:
             keep = 0  # a recurrent (DeltaNet) state cannot be cut back to a prefix: prefill afresh
         return ids, keep
 
     def ask(self, text: str, **sampling) -> Iterator[str]:
         """Stream the answer to a user message. Stopping early (an interrupted answer) keeps what was said."""
-        codec, kv = self.engine.codec, self.engine.model.kv
+        codec, state = self.engine.codec, self.engine.model.state
         self.messages.append({"role": "user", "content": text})
         ids, keep = self._prompt()
         detok, answer = Detokenizer(codec), []
@@ -70,5 +70,5 @@ class Conversation:
             if tail:
                 yield tail
         finally:
-            self.cached_ids = (ids + answer)[:kv.length]
+            self.cached_ids = (ids + answer)[:state.length]
             self.messages.append({"role": "assistant", "content": codec.decode(answer)})

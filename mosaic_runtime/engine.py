@@ -18,8 +18,8 @@ from .backbone import BACKBONE_MODES, on_huge_pages, prepare_backbone
 from .cache.store import ExpertStore
 from .experts import NativeExperts, TorchExperts
 from .generate import Detokenizer, TextCodec, sample
-from .kv_cache import KVCache
-from .models import MODELS
+from .models import build_model, model_recipe
+from .models.state import SequenceState
 from .ops import set_threads
 from .tier import TieredExperts
 from .tier.policy import TierCounters
@@ -98,6 +98,28 @@ def ring_slots(vault, ram_budget: int | None, resident_bytes: int) -> int:
     return min(budget // record, vault.header.num_records)
 
 
+PRECISIONS = ("fast", "exact")
+
+
+def precision_settings(precision: str, kernel: str | None, backbone: str | None, device: torch.device | None = None
+                       ) -> tuple[str, str]:
+    """(kernel, backbone) for a precision, with what the caller gave explicitly taking precedence.
+
+    "fast" takes the float expert kernel on a CPU without AVX-512 VNNI, and with a device tier: there an
+    expert runs on either side depending on what the device holds, and both sides must compute the same
+    function for the tokens not to depend on the VRAM budget. On CUDA the backbone stays as stored (VRAM
+    holds it; its projections are not what limits a token there)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
+    fast = precision == "fast"
+    if kernel is None:
+        vnni = _native.kernels.isa_available(_native.kernels.AVX512_VNNI)
+        kernel = "native-int8" if fast and vnni and device is None else "native"
+    if backbone is None:
+        backbone = "int8" if fast and (device is None or device.type != "cuda") else "bf16"
+    return kernel, backbone
+
+
 class Engine:
     def __init__(self, directory: Path, vault, store, model, codec: TextCodec | None, device=None):
         self.directory, self.vault, self.store, self.model, self.codec = directory, vault, store, model, codec
@@ -107,9 +129,9 @@ class Engine:
 
     @classmethod
     def open(cls, path, ram_budget: int | None = None, io: str | None = None, threads: int | None = None, *,
-             max_seq: int = 4096, kernel: str = "native", backbone: str = "bf16", device: str | None = None,
-             vram_budget: int | None = None, tier_policy: str = DEFAULT_TIER_POLICY, kv_dtype: str = "float32",
-             preload: bool = True, verbose: bool = False) -> "Engine":
+             max_seq: int = 4096, precision: str = "fast", kernel: str | None = None, backbone: str | None = None,
+             device: str | None = None, vram_budget: int | None = None, tier_policy: str = DEFAULT_TIER_POLICY,
+             kv_dtype: str = "float32", preload: bool = True, verbose: bool = False) -> "Engine":
         """Open a model directory written by `mosaic-shatter convert`.
 
         Args:
@@ -118,6 +140,11 @@ class Engine:
             io: "direct" (O_DIRECT / F_NOCACHE) or "buffered" (pread through the page cache).
             threads: threads for the expert kernel and torch (default: every core).
             max_seq: longest context; its KV cache is allocated here, once.
+            precision: "fast" (the default) runs Q4 experts against int8 activations where the CPU has
+                AVX-512 VNNI (as llama.cpp runs Q4_0) and the backbone's projections in int8; "exact" runs
+                the float kernels on the backbone as stored, faithful to the float reference (what the
+                golden tests hold to transformers). kernel and backbone, when given, override its choices.
+                See benchmarks/RESULTS.md for what "fast" costs in perplexity and agreement.
             kernel: "native" runs experts in the C++ kernel straight from the ring; "native-int8" does too
                 but quantises activations to int8 for the Q4 dot products (AVX-512 VNNI: 1.6x faster,
                 logits no longer bit-faithful to the float reference); "torch" dequantises records and uses
@@ -144,13 +171,14 @@ class Engine:
             VaultError: the directory is not a complete, valid vault.
             NotImplementedError: the arch block names something this runtime cannot run.
         """
+        dev = torch.device(device) if device is not None else None
+        on_cuda = dev is not None and dev.type == "cuda"
+        kernel, backbone = precision_settings(precision, kernel, backbone, dev)
         if backbone not in BACKBONE_MODES:
             raise ValueError(f"backbone must be one of {BACKBONE_MODES}, not {backbone!r}")
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, not {kv_dtype!r}")
         kv_torch_dtype = KV_DTYPES[kv_dtype]
-        dev = torch.device(device) if device is not None else None
-        on_cuda = dev is not None and dev.type == "cuda"
         if dev is not None:  # refused before anything is opened or allocated
             if kernel == "torch":
                 raise ValueError("a device tier needs kernel='native' or 'native-int8'")
@@ -159,9 +187,7 @@ class Engine:
             TieredExperts.check_args(dev, vram_budget, tier_policy)
         directory = Path(path).expanduser()
         vault = open_vault(directory)
-        model_type = vault.arch["model_type"]
-        if model_type not in MODELS:
-            raise NotImplementedError(f"model_type {model_type!r} has no runtime model")
+        recipe = model_recipe(vault.arch)  # refuses what this runtime cannot run, before anything is allocated
         threads = threads or os.cpu_count() or 1
         torch.set_num_threads(threads)
         set_threads(threads)
@@ -175,11 +201,9 @@ class Engine:
                     raise ValueError("kernel='native-int8' needs AVX-512 VNNI, which this CPU lacks")
                 isa = _native.kernels.AVX512_VNNI
             # Sized before the backbone loads, so MemAvailable does not already count it: the backbone
-            # stays as stored (its file size) and the KV cache is allocated for max_seq.
-            arch = vault.arch
-            resident = (directory / BACKBONE_FILE).stat().st_size + KVCache.bytes_for(
-                arch["num_hidden_layers"], max_seq, arch["num_key_value_heads"], arch["head_dim"],
-                kv_torch_dtype.itemsize)
+            # stays as stored (its file size) and the sequence state is allocated for max_seq.
+            resident = (directory / BACKBONE_FILE).stat().st_size + SequenceState.bytes_for(recipe, max_seq,
+                                                                                            kv_torch_dtype)
             store = ExpertStore(vault, ring_slots(vault, ram_budget, resident), io or DEFAULT_IO, notice=notice)
             experts = NativeExperts(store, threads, isa)
         else:
@@ -193,7 +217,7 @@ class Engine:
             weights = on_huge_pages(weights)
         # On CUDA the model's own tensors (RoPE tables, KV pool, recurrent state) are made on the device.
         with torch.device(dev) if on_cuda else contextlib.nullcontext():
-            model = MODELS[model_type](vault.arch, weights, experts, max_seq, kv_dtype=kv_torch_dtype)
+            model = build_model(recipe, weights, experts, max_seq, kv_torch_dtype)
         engine = cls(directory, vault, store, model, None, dev if on_cuda else None)
         if store is not None and preload:  # after the backbone has loaded: not competing with its read
             store.preload()
@@ -243,7 +267,6 @@ class Engine:
 
     def logits(self, token_ids) -> torch.Tensor:
         """float32 logits [T, vocab] of a fresh forward pass over token_ids (the KV cache is reset)."""
-        self.model.kv.reset()
         return self._forward(list(token_ids), 0)
 
     def generate_ids(self, prompt_ids, *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
@@ -252,10 +275,10 @@ class Engine:
 
         cached: how many leading positions of the KV cache to keep; prompt_ids continue from there (the
         earlier turns of a conversation). 0 starts from an empty cache. On return (or when the caller
-        stops iterating) the cache holds every token that was fed: `self.model.kv.length` of them.
+        stops iterating) the cache holds every token that was fed: `self.model.state.length` of them.
         """
-        if not 0 <= cached <= self.model.kv.length:
-            raise ValueError(f"cached={cached} but the KV cache holds {self.model.kv.length} tokens")
+        if not 0 <= cached <= self.model.state.length:
+            raise ValueError(f"cached={cached} but the KV cache holds {self.model.state.length} tokens")
         if not prompt_ids:
             raise ValueError("prompt_ids is empty: at least one new token is needed for the next logits")
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
@@ -279,7 +302,7 @@ class Engine:
                 return
             yield token
             if n + 1 < max_new_tokens:
-                pos = self.model.kv.length
+                pos = self.model.state.length
                 logits = self._forward([token], pos)[-1]
 
     def generate(self, prompt, *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,

@@ -7,7 +7,7 @@ depend on timing (and match transformers' own loop order).
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable
 
 import numpy as np
 import torch
@@ -18,13 +18,31 @@ from . import _native
 ExpertWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # gate [I, H], up [I, H], down [H, I]
 
 
-class ExpertExecutor(Protocol):
-    """What a model calls for its routed experts. An executor on the native expert ring (NativeExperts)
-    also offers add_decode, native_loop and ran_natively, which the native decode step uses when present."""
+class ExpertExecutor:
+    """What a model calls for its routed experts: the torch path calls the executor; the native decode step
+    asks it once per step for the records it may run itself (native_loop) and hands it every layer it
+    cannot finish (add_decode). An executor that runs experts elsewhere (another device, another process)
+    implements __call__ and keeps the defaults: the native step then gives it each MoE layer."""
+
+    kernel_s: float = 0.0  # time in the expert kernel, for engine.stats
 
     def __call__(self, layer: int, x: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_weights [T, k], topk_ids [T, k] -> sum_k w * expert(x), [T, H]."""
+        raise NotImplementedError
+
+    def add_decode(self, layer: int, h: np.ndarray, w: np.ndarray, ids: np.ndarray, x: np.ndarray) -> None:
+        """x [H] += sum_k w[k] expert_ids[k](h) for one token (float32 h [H], w [k]; int32 ids [k])."""
+        x += self(layer, torch.from_numpy(h)[None], torch.from_numpy(w)[None],
+                  torch.from_numpy(ids.astype(np.int64))[None])[0].numpy()
+
+    def native_loop(self, top_k: int):
+        """The records the native decode step may run itself this step (a _native.kernels.LoopExperts), or
+        None: then every MoE layer comes back through add_decode."""
+        return None
+
+    def ran_natively(self, layers, topk_ids: np.ndarray, kernel_s: float) -> None:
+        """Account the experts the native step ran itself for `layers` (topk_ids[layer] each)."""
 
 
 def expert_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -32,7 +50,7 @@ def expert_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torc
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
-class TorchExperts:
+class TorchExperts(ExpertExecutor):
     """Runs experts with torch ops on float32 weights supplied by `fetch(layer, expert)`."""
 
     def __init__(self, fetch: Callable[[int, int], ExpertWeights]):
@@ -47,7 +65,7 @@ class TorchExperts:
         return y
 
 
-class NativeExperts:
+class NativeExperts(ExpertExecutor):
     """Runs a layer's routed experts in the native kernel (mosaic_runtime._native) on whole records held
     in the expert store's ring: weights are dequantised inside the kernel, never materialised, and each
     expert starts as soon as its record has arrived while the layer's other reads are still in flight.
@@ -63,6 +81,7 @@ class NativeExperts:
         self._scratch = np.zeros(0, np.float32)
         self._need: dict[tuple[int, int], int] = {}  # (tasks' rows, largest task) -> scratch floats
         self._decode_tasks: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # k -> (counts, tokens) of a step
+        self._loop, self._loop_top_k = None, 0  # the native decode step's view of the ring (native_loop)
 
     def _scratch_for(self, total: int, max_n: int):
         need = self._need.get((total, max_n))
@@ -113,13 +132,18 @@ class NativeExperts:
         if failed >= 0:
             raise RuntimeError(f"layer {layer}: expert {experts[failed]}'s slot held no record")
 
-    def native_loop(self, top_k: int) -> tuple:
-        """What the native layer loop (decode_layers) needs to run a decode step's experts itself from the
-        records the ring holds: kernel settings, the ring and the store's slot table (preload's landed reads
-        accounted first, so they are in it)."""
+    def native_loop(self, top_k: int):
+        """The records the native decode step may run itself: the ring and the store's slot table, preload's
+        landed reads accounted first so they are in it. Built once; the table changes in place."""
         self.store.reap()
-        return (self.isa, self.threads, int(self.layout.quant), int(self.layout.scale_dtype), self.layout.hidden,
-                self.layout.intermediate, self.store.ring.native, self.store.slot_table, self._scratch_for(top_k, 1))
+        if self._loop is None or self._loop_top_k < top_k:
+            self._loop_top_k = top_k
+            self._loop = _native.decode.LoopExperts(
+                isa=self.isa, threads=self.threads, quant=int(self.layout.quant),
+                scale_dtype=int(self.layout.scale_dtype), hidden=self.layout.hidden,
+                intermediate=self.layout.intermediate, top_k=top_k, ring=self.store.ring.native,
+                slot_of=self.store.slot_table, scratch=self._scratch_for(top_k, 1).copy())
+        return self._loop
 
     def ran_natively(self, layers, topk_ids: np.ndarray, kernel_s: float) -> None:
         """Account what the native layer loop ran for `layers`: each one's experts (topk_ids[layer]) as ring

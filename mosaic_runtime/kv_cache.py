@@ -64,7 +64,6 @@ class KVCache:
             self.k_scale, self.v_scale = zeroed_pool(shape[:4], torch.float32), zeroed_pool(shape[:4], torch.float32)
         self.free = list(range(n_pages))  # a heap: lowest page first
         self.pages: list[int] = []  # the sequence's page table: logical page -> pool page
-        self.length = 0  # tokens already held
 
     def _reserve(self, end: int) -> None:
         if end > self.max_seq:
@@ -133,7 +132,6 @@ class KVCache:
         for page in self.pages:
             heapq.heappush(self.free, page)
         self.pages.clear()
-        self.length = 0
 
     @property
     def pages_in_use(self) -> int:

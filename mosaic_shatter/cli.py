@@ -67,8 +67,8 @@ def probe_report(ckpt: Checkpoint, plan: Plan) -> dict:
 def left_out(plan: Plan) -> dict[str, int]:
     """Tensors left out of the backbone, counted by part label: {"vision tower": n, "MTP head": n}."""
     parts: dict[str, int] = {}
-    for name in plan.dropped:
-        label = OPTIONAL_PARTS.get(plan.architecture.role(name).part, "other")
+    for part in plan.dropped.values():
+        label = OPTIONAL_PARTS.get(part, "other")
         parts[label] = parts.get(label, 0) + 1
     return parts
 

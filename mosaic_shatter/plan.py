@@ -7,6 +7,7 @@ serves both `probe` and `convert`.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 from mosaic_runtime.vault.format import (PROJECTIONS, QuantType, ScaleDtype, encode_meta, plan_header,
@@ -55,7 +56,7 @@ class Plan:
     source_format: dict
     experts: dict[tuple[int, int], dict[str, ProjectionSource]] = field(default_factory=dict)
     backbone: list[BackboneTensor] = field(default_factory=list)
-    dropped: list[str] = field(default_factory=list)
+    dropped: dict[str, str] = field(default_factory=dict)  # tensor left out -> its part (OPTIONAL_PARTS)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -116,6 +117,18 @@ def _generation_config(ckpt: Checkpoint) -> dict | None:
         return None
 
 
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def tensor_role(architecture: Architecture, name: str, num_layers: int) -> Role:
+    """What a tensor is. Layers stored past num_hidden_layers are MTP / next-n layers (DeepSeek-V3's layer
+    61, GLM-4.5's 46), whatever the family: an optional part, like Qwen3.5's `mtp.*`."""
+    m = _LAYER.match(architecture.backbone_name(name))
+    if m and int(m[1]) >= num_layers:
+        return Role("drop", part="mtp")
+    return architecture.role(name)
+
+
 def make_plan(ckpt: Checkpoint, keep: frozenset[str] = frozenset()) -> Plan:
     """Map every tensor of the checkpoint; problems are collected, not raised (probe lists them all).
 
@@ -137,8 +150,10 @@ def make_plan(ckpt: Checkpoint, keep: frozenset[str] = frozenset()) -> Plan:
         problems.append(f"FP8 format {qcfg.get('fmt')!r} is not supported (only e4m3)")
     fp8_block = qcfg.get("weight_block_size") if qcfg.get("quant_method") == "fp8" else None
 
-    roles = {name: architecture.role(name) for name in ckpt.tensors}
-    roles = {name: Role("backbone") if r.kind == "drop" and r.part in keep else r for name, r in roles.items()}
+    roles = {name: tensor_role(architecture, name, arch["num_hidden_layers"]) for name in ckpt.tensors}
+    # A kept part goes into the backbone whole (its experts too), its FP8 scales still read as scales.
+    roles = {name: (Role("scale") if name.endswith("_scale_inv") else Role("backbone"))
+             if r.kind == "drop" and r.part in keep else r for name, r in roles.items()}
     moe = set(plan.moe_layers)
     n_experts, hidden, inter = arch["num_experts"], plan.hidden, plan.intermediate
     per_expert: dict[tuple[int, int], dict[str, ProjectionSource]] = {}
@@ -160,7 +175,7 @@ def make_plan(ckpt: Checkpoint, keep: frozenset[str] = frozenset()) -> Plan:
         if role.kind == "backbone":
             continue
         if role.kind == "drop":
-            plan.dropped.append(name)
+            plan.dropped[name] = role.part
             continue
         if role.layer not in moe:
             problems.append(f"{name}: routed experts in layer {role.layer}, which the config says is "
@@ -229,7 +244,10 @@ def make_plan(ckpt: Checkpoint, keep: frozenset[str] = frozenset()) -> Plan:
             if info.dtype == FP8_DTYPE and (scale is None or len(info.shape) != 2 or fp8_block is None):
                 problems.append(f"{name}: FP8 tensor without a usable block scale")
                 continue
-            plan.backbone.append(BackboneTensor(architecture.backbone_name(name), "BF16", info.shape, info, scale))
+            # Vectors stored in F32 (router score biases, DeltaNet decay and norm) stay F32: they are tiny,
+            # and a correction bias rounded to bf16 would change which experts are chosen.
+            dtype = "F32" if info.dtype == "F32" and len(info.shape) == 1 else "BF16"
+            plan.backbone.append(BackboneTensor(architecture.backbone_name(name), dtype, info.shape, info, scale))
         elif info.dtype in ("I64", "I32"):
             plan.backbone.append(BackboneTensor(architecture.backbone_name(name), info.dtype, info.shape, info))
         else:

@@ -102,7 +102,8 @@ def hybrid_tensors(cfg: dict, fp8: bool = False) -> list[tuple[str, str, list[in
     lists them: Qwen3.5 with its `model.language_model.` prefix, fused 3-D experts, F32 A_log and
     DeltaNet norm, vision tower; both with the MTP layer (per-expert)."""
     assert not fp8, "the FP8 hybrid release is not built here"
-    qwen35 = cfg["model_type"] == "qwen3_5_moe"
+    text_only = cfg["model_type"] == "qwen3_5_moe_text"  # a Qwen3_5MoeForCausalLM save: no vision, no MTP
+    qwen35 = cfg["model_type"] == "qwen3_5_moe" or text_only
     t = cfg.get("text_config", cfg)
     h, inter, n_exp, v = t["hidden_size"], t["moe_intermediate_size"], t["num_experts"], t["vocab_size"]
     heads, kv, hd = t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
@@ -112,7 +113,7 @@ def hybrid_tensors(cfg: dict, fp8: bool = False) -> list[tuple[str, str, list[in
     types = t.get("layer_types") or ["full_attention" if (i + 1) % every == 0 else "linear_attention"
                                      for i in range(t["num_hidden_layers"])]
     f32 = "F32" if qwen35 else "BF16"
-    prefix = "model.language_model." if qwen35 else "model."
+    prefix = "model.language_model." if qwen35 and not text_only else "model."
     out = [(prefix + "embed_tokens.weight", "BF16", [v, h]), (prefix + "norm.weight", "BF16", [h]),
            ("lm_head.weight", "BF16", [v, h])]
 
@@ -154,6 +155,8 @@ def hybrid_tensors(cfg: dict, fp8: bool = False) -> list[tuple[str, str, list[in
                     (la + "dt_bias", "BF16", [hv]), (la + "norm.weight", f32, [dv]),
                     (la + "out_proj.weight", "BF16", [h, hv * dv])]
         out += moe(p, fused=qwen35)
+    if text_only:
+        return out
     out += [("mtp.fc.weight", "BF16", [h, 2 * h]), ("mtp.norm.weight", "BF16", [h]),
             ("mtp.pre_fc_norm_embedding.weight", "BF16", [h]), ("mtp.pre_fc_norm_hidden.weight", "BF16", [h])]
     out += attention("mtp.layers.0.") + moe("mtp.layers.0.", fused=False)
@@ -180,6 +183,71 @@ def hybrid_tensors(cfg: dict, fp8: bool = False) -> list[tuple[str, str, list[in
     return out
 
 
+def decoder_tensors(cfg: dict, fp8: bool = False) -> list[tuple[str, str, list[int]]]:
+    """(name, dtype, shape) of every tensor of a Mixtral, Qwen1.5/2-MoE, OLMoE or GLM-4.5 checkpoint, as
+    TENSORS.md lists them (GLM-4.5's MTP layer with the names TENSORS.md infers)."""
+    assert not fp8, "no FP8 release of these families is built here"
+    mt = cfg["model_type"]
+    h, v, heads, kv = cfg["hidden_size"], cfg["vocab_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or h // heads
+    n_exp = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
+    inter = cfg["intermediate_size"] if mt in ("mixtral", "olmoe") else cfg["moe_intermediate_size"]
+    out = [("model.embed_tokens.weight", "BF16", [v, h]), ("model.norm.weight", "BF16", [h]),
+           ("lm_head.weight", "BF16", [v, h])]
+    qkv_bias = mt == "qwen2_moe" or (mt == "glm4_moe" and cfg.get("attention_bias"))
+
+    def layer(i: int) -> list:
+        p = f"model.layers.{i}."
+        rows = [(p + "self_attn.q_proj.weight", "BF16", [heads * hd, h]), (p + "self_attn.k_proj.weight", "BF16", [kv * hd, h]),
+                (p + "self_attn.v_proj.weight", "BF16", [kv * hd, h]), (p + "self_attn.o_proj.weight", "BF16", [h, heads * hd]),
+                (p + "input_layernorm.weight", "BF16", [h]), (p + "post_attention_layernorm.weight", "BF16", [h])]
+        if qkv_bias:
+            rows += [(p + "self_attn.q_proj.bias", "BF16", [heads * hd]), (p + "self_attn.k_proj.bias", "BF16", [kv * hd]),
+                     (p + "self_attn.v_proj.bias", "BF16", [kv * hd])]
+        if mt == "olmoe":  # over the whole projection
+            rows += [(p + "self_attn.q_norm.weight", "BF16", [heads * hd]), (p + "self_attn.k_norm.weight", "BF16", [kv * hd])]
+        if mt == "glm4_moe" and i < cfg.get("first_k_dense_replace", 1):
+            i2 = cfg["intermediate_size"]
+            return rows + [(p + "mlp.gate_proj.weight", "BF16", [i2, h]), (p + "mlp.up_proj.weight", "BF16", [i2, h]),
+                           (p + "mlp.down_proj.weight", "BF16", [h, i2])]
+        if mt == "mixtral":
+            rows.append((p + "block_sparse_moe.gate.weight", "BF16", [n_exp, h]))
+            for e in range(n_exp):
+                q = f"{p}block_sparse_moe.experts.{e}."
+                rows += [(q + "w1.weight", "BF16", [inter, h]), (q + "w3.weight", "BF16", [inter, h]),
+                         (q + "w2.weight", "BF16", [h, inter])]
+            return rows
+        rows.append((p + "mlp.gate.weight", "BF16", [n_exp, h]))
+        if mt == "qwen2_moe":
+            s = cfg["shared_expert_intermediate_size"]
+            rows += [(p + "mlp.shared_expert_gate.weight", "BF16", [1, h]),
+                     (p + "mlp.shared_expert.gate_proj.weight", "BF16", [s, h]),
+                     (p + "mlp.shared_expert.up_proj.weight", "BF16", [s, h]),
+                     (p + "mlp.shared_expert.down_proj.weight", "BF16", [h, s])]
+        if mt == "glm4_moe":
+            s = inter * cfg.get("n_shared_experts", 1)
+            rows += [(p + "mlp.gate.e_score_correction_bias", "F32", [n_exp]),
+                     (p + "mlp.shared_experts.gate_proj.weight", "BF16", [s, h]),
+                     (p + "mlp.shared_experts.up_proj.weight", "BF16", [s, h]),
+                     (p + "mlp.shared_experts.down_proj.weight", "BF16", [h, s])]
+        for e in range(n_exp):
+            q = f"{p}mlp.experts.{e}."
+            rows += [(q + "gate_proj.weight", "BF16", [inter, h]), (q + "up_proj.weight", "BF16", [inter, h]),
+                     (q + "down_proj.weight", "BF16", [h, inter])]
+        return rows
+
+    n = cfg["num_hidden_layers"]
+    for i in range(n):
+        out += layer(i)
+    if mt == "glm4_moe":  # the MTP layer after the last
+        for m in range(cfg.get("num_nextn_predict_layers", 0)):
+            p = f"model.layers.{n + m}."
+            out += [(p + "enorm.weight", "BF16", [h]), (p + "hnorm.weight", "BF16", [h]),
+                    (p + "eh_proj.weight", "BF16", [h, 2 * h]), (p + "shared_head.norm.weight", "BF16", [h])]
+            out += layer(n + m)
+    return out
+
+
 def write_sparse_safetensors(path: Path, tensors: list[tuple[str, str, list[int]]]) -> None:
     """A real safetensors header followed by a hole as large as the data would be."""
     meta, at = {"__metadata__": {"format": "pt"}}, 0
@@ -203,7 +271,8 @@ def skeleton(config_name: str, out: Path, *, shard_bytes: int = 5 << 30) -> Path
     fp8 = (cfg.get("quantization_config") or {}).get("quant_method") == "fp8"
     out.mkdir(parents=True, exist_ok=True)
     shards, current, size = [], [], 0
-    tensors = hybrid_tensors if cfg["model_type"] in ("qwen3_next", "qwen3_5_moe") else qwen3_moe_tensors
+    tensors = {"qwen3_next": hybrid_tensors, "qwen3_5_moe": hybrid_tensors, "qwen3_5_moe_text": hybrid_tensors,
+               "qwen3_moe": qwen3_moe_tensors}.get(cfg["model_type"], decoder_tensors)
     for t in tensors(cfg, fp8):
         n = _BYTES[t[1]]
         for s in t[2]:
@@ -270,6 +339,22 @@ def add_chat_tokenizer(directory: Path, vocab_size: int = 300) -> None:
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE,
                                                                 "eos_token": "<|im_end|>"}))
+
+
+def tiny_model(model_type: str, path: Path, *, fused: bool = False, seed: int = 0, **cfg) -> Path:
+    """A random checkpoint of any family saved by transformers (per-expert, or with save_original_format
+    False its experts fused in 3-D). Weights are drawn larger than transformers' init (std 0.2, norms and
+    the router's score bias included), so logits are O(1) and far from ties."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg))
+    with torch.no_grad():
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if p.is_floating_point() and "rotary" not in name and "inv_freq" not in name:
+                p.copy_(torch.randn_like(p) * (0.5 if any(s in name for s in ("norm", "A_log", "dt_bias")) else 0.2))
+    model.save_pretrained(path, save_original_format=not fused)
+    return Path(path)
 
 
 HYBRID_BASE = dict(vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

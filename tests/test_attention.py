@@ -174,8 +174,8 @@ def test_reduced_kv_caches_end_to_end(tmp_path):
     prompt = [3, 14, 15, 92, 65, 35, 89, 79]
     runs = {}
     for kv_dtype in ("float32", "bfloat16", "int8"):
-        with Engine.open(model, max_seq=64, kv_dtype=kv_dtype) as engine:
-            assert engine.model.kv.k.dtype == getattr(torch, kv_dtype)
+        with Engine.open(model, max_seq=64, kv_dtype=kv_dtype, precision="exact") as engine:
+            assert engine.model.state.kv.k.dtype == getattr(torch, kv_dtype)
             tokens = list(engine.generate_ids(prompt, max_new_tokens=12))
             runs[kv_dtype] = tokens, engine.logits(prompt + tokens)
     for reduced, atol in (("bfloat16", 2e-2), ("int8", 4e-2)):  # int8 rounds to 1/254 of a row's range

@@ -18,11 +18,11 @@ def bundled(tmp_path_factory):
 
 @pytest.mark.parametrize("mode, agree", [("int8", 0.97), ("fp8", 0.93), ("q4", 0.80)])
 def test_quantised_backbone_stays_close_to_bf16(bundled, mode, agree):
-    exact = Engine.open(bundled, max_seq=256)
-    quant = Engine.open(bundled, max_seq=256, backbone=mode)
+    exact = Engine.open(bundled, max_seq=256, precision="exact")
+    quant = Engine.open(bundled, max_seq=256, precision="exact", backbone=mode)
     kind = Q4Matrix if mode == "q4" else QuantizedMatrix
-    assert isinstance(quant.model.layers[0].q_proj, kind)
-    assert isinstance(quant.model.lm_head, kind) and not isinstance(quant.model.embed, kind)
+    assert isinstance(quant.model.layers[0].mixer.q, kind)
+    assert isinstance(quant.model.weights.lm_head, kind) and not isinstance(quant.model.weights.embed, kind)
     ids = exact.codec.encode(SNIPPET)
     a, b = exact.logits(ids), quant.logits(ids)
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= agree
@@ -36,7 +36,7 @@ def test_hybrid_fused_projections_are_unfused_after_quantisation(tmp_path, mode)
     from mosaic_runtime.backbone import quantize_matrix
     ckpt = tiny_hybrid("qwen3_next", tmp_path / "next", seed=4)
     out = convert(str(ckpt), tmp_path / "q4", "q4", progress=False).out
-    exact, quant = Engine.open(out, max_seq=64), Engine.open(out, max_seq=64, backbone=mode)
+    exact, quant = Engine.open(out, max_seq=64, precision="exact"), Engine.open(out, max_seq=64, backbone=mode)
     delta = [i for i, t in enumerate(exact.arch["layer_types"]) if t == "linear_attention"]
     for i in delta:
         for part in ("qkv", "z", "b", "a"):
@@ -68,6 +68,6 @@ def test_backbone_moves_onto_huge_pages_unchanged(bundled, mode):
     for key, t in after.items():
         assert t.dtype == before[key].dtype and torch.equal(t, before[key]) and t.data_ptr() % 64 == 0, key
     with Engine.open(bundled, max_seq=64, backbone=mode) as engine:
-        q = engine.model.layers[0].q_proj
-        held = [q.codes, engine.model.lm_head.codes] if mode == "q4" else [q, engine.model.embed]
+        q = engine.model.layers[0].mixer.q
+        held = [q.codes, engine.model.weights.lm_head.codes] if mode == "q4" else [q, engine.model.weights.embed]
         assert held[0].untyped_storage().data_ptr() == held[1].untyped_storage().data_ptr()

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from mosaic_runtime.engine import Engine
 from mosaic_shatter.convert import convert
-from test_golden_qwen3_moe import reference_model
+from reference import reference_model
 
 MODEL = Path(__file__).resolve().parent.parent / "examples" / "stdlib-moe"
 SNIPPET = '''import os
@@ -51,7 +51,7 @@ def test_checkpoint_is_a_small_complete_hf_directory():
 
 @pytest.mark.parametrize("quant", ["q4", "fp8"])
 def test_matches_transformers_on_real_text(vaults, quant):
-    engine = Engine.open(vaults[quant], max_seq=256)
+    engine = Engine.open(vaults[quant], max_seq=256, precision="exact")
     ids = engine.codec.encode(SNIPPET)[:96]
     logits = engine.logits(ids)
     ref = reference_model(MODEL, engine)
@@ -64,12 +64,12 @@ def test_matches_transformers_on_real_text(vaults, quant):
     tokens, step = [], logits
     for _ in range(16):  # greedy, with no stop token, as the reference generates
         tokens.append(int(step[-1].argmax()))
-        step = engine.model.forward(torch.tensor([tokens[-1]]), engine.model.kv.length)
+        step = engine.model.forward(torch.tensor([tokens[-1]]), engine.model.state.length)
     assert tokens == gen[0, len(ids):].tolist()
 
 
 def test_writes_code_far_better_than_chance(vaults):
-    engine = Engine.open(vaults["q4"], max_seq=256)
+    engine = Engine.open(vaults["q4"], max_seq=256, precision="exact")
     ids = engine.codec.encode(SNIPPET)
     logits = engine.logits(ids)
     ppl = math.exp(F.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item())

@@ -1,7 +1,7 @@
-"""The native decode step (native/src/decode_layer.cpp: a Qwen3-MoE layer's attention block and router in
-one call; decode_token.cpp: the layer loop, experts included) against the torch path it replaces, for
-every backbone precision, dense and MoE layers, and a cache whose pages are out of order (which falls
-back to the torch path)."""
+"""The native decode step (native/src/decode_layer.cpp: a layer's mixer, router and MLP in one call;
+decode_token.cpp: the layer loop, experts included) against the torch path it replaces, for every backbone
+precision, dense and MoE layers, and a cache whose pages are out of order (which falls back to the torch
+path). tests/test_families.py holds every family's recipe to the same."""
 
 import numpy as np
 import pytest
@@ -10,8 +10,8 @@ import torch
 from builders import random_qwen3_moe
 from mosaic_runtime.engine import Engine
 from mosaic_runtime.kv_cache import KVCache
-from mosaic_runtime.models import qwen3_moe
 from mosaic_shatter.convert import convert
+from reference import StepSpy
 
 PROMPT = [5, 17, 101, 64, 3, 250, 77, 9]
 STEPS = 10
@@ -32,15 +32,15 @@ def decode(engine, native: bool):
     engine.model.use_native_decode = native
     logits = [engine.logits(PROMPT)[-1]]
     for _ in range(STEPS):
-        logits.append(engine.model.forward(torch.tensor([int(logits[-1].argmax())]), engine.model.kv.length)[-1])
+        logits.append(engine.model.forward(torch.tensor([int(logits[-1].argmax())]), engine.model.state.length)[-1])
     return torch.stack(logits)
 
 
 @pytest.mark.parametrize("backbone", ["bf16", "int8", "fp8", "q4"])
 @pytest.mark.parametrize("threads", [2, 3])
 def test_native_decode_step_matches_the_torch_path(model_dir, backbone, threads):
-    with Engine.open(model_dir, max_seq=64, backbone=backbone, threads=threads) as engine:
-        assert engine.model.native_layers is not None
+    with Engine.open(model_dir, max_seq=64, precision="exact", backbone=backbone, threads=threads) as engine:
+        assert engine.model.native is not None
         native, reference = decode(engine, True), decode(engine, False)
     assert torch.equal(native.argmax(-1), reference.argmax(-1))
     torch.testing.assert_close(native, reference, atol=ATOL, rtol=0)
@@ -52,8 +52,8 @@ def test_native_decode_step_on_a_rounded_cache_matches_the_torch_path(model_dir,
     through the same kernels. A value computed in another float order can land on the other side of a
     rounding boundary (a bf16 step; under VNNI, the int8 attention's 16-bit query and probability codes
     too: seen 3.5e-4), so logits are held to atol, not ATOL."""
-    with Engine.open(model_dir, max_seq=64, kv_dtype=kv_dtype) as engine:
-        assert engine.model.native_layers is not None
+    with Engine.open(model_dir, max_seq=64, kv_dtype=kv_dtype, precision="exact") as engine:
+        assert engine.model.native is not None
         native, reference = decode(engine, True), decode(engine, False)
     assert torch.equal(native.argmax(-1), reference.argmax(-1))
     torch.testing.assert_close(native, reference, atol=atol, rtol=0)
@@ -62,6 +62,7 @@ def test_native_decode_step_on_a_rounded_cache_matches_the_torch_path(model_dir,
 def cache_rows(kv):
     """The cache's keys and values as float32 [layers, Hkv, pages, rows, D], one code step per value (an
     int8 cache's scale; zero otherwise), and the stored elements as they are (codes, bf16 or float32)."""
+    kv = kv.kv
     if not kv.quantized:
         return kv.k.float(), kv.v.float(), torch.zeros(()), torch.zeros(()), kv.k.clone()
     return (kv.k.float() * kv.k_scale[..., None], kv.v.float() * kv.v_scale[..., None], kv.k_scale[..., None],
@@ -69,23 +70,19 @@ def cache_rows(kv):
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
-def test_native_step_is_used_and_writes_the_same_cache(model_dir, monkeypatch, kv_dtype):
-    """Every layer of every step goes through the native loop (decode_layers), which stops at the dense
-    layer and resumes after it; the cache it writes is the torch path's: float32 within float rounding,
-    bf16 within one bf16 step (2^-8 relative), int8 within one code step."""
+def test_native_step_is_used_and_writes_the_same_cache(model_dir, kv_dtype):
+    """Every layer of every step goes through one native call, the dense layer included; the cache it
+    writes is the torch path's: float32 within float rounding, bf16 within one bf16 step (2^-7 relative),
+    int8 within one code step."""
     pools = {}
     for native in (True, False):
-        with Engine.open(model_dir, max_seq=64, kv_dtype=kv_dtype) as engine:
-            ran = []  # the layers each decode_layers call went through
-            def spy(layers, first, *args, real=qwen3_moe.decode_layers):
-                stop, kernel_s = real(layers, first, *args)
-                ran.extend(range(first, min(stop + 1, len(layers))))
-                return stop, kernel_s
-            monkeypatch.setattr(qwen3_moe, "decode_layers", spy)
+        with Engine.open(model_dir, max_seq=64, kv_dtype=kv_dtype, precision="exact") as engine:
+            spy = engine.model.native.step_fn = StepSpy(engine.model.native.step_fn, len(engine.model.layers))
             decode(engine, native)
-            assert ran == (list(range(len(engine.model.layers))) * STEPS if native else [])
-            pools[native] = cache_rows(engine.model.kv)
-    rtol = 2 ** -8 if kv_dtype == "bfloat16" else 0
+            assert spy.ran == (list(range(len(engine.model.layers))) * STEPS if native else [])
+            assert spy.calls == (STEPS if native else 0)
+            pools[native] = cache_rows(engine.model.state)
+    rtol = 2 ** -7 if kv_dtype == "bfloat16" else 0  # one bf16 step, relative to the bottom of its binade
     for a, b, step in zip(pools[True][:2], pools[False][:2], pools[False][2:4]):
         assert ((a - b).abs() <= 1e-5 + rtol * b.abs() + 1.001 * step).all()
     if kv_dtype != "float32":  # the same rounding: the stored keys agree exactly but for rare boundary cases
@@ -94,46 +91,40 @@ def test_native_step_is_used_and_writes_the_same_cache(model_dir, monkeypatch, k
         assert written.any() and (native == reference)[written].float().mean() > 0.99
 
 
-def test_out_of_order_pages_fall_back_to_torch(model_dir, monkeypatch):
+def test_out_of_order_pages_fall_back_to_torch(model_dir):
     """Small pages, so a sequence spans several: in order they run natively; out of order (not one run)
     the step takes the torch path, with the same logits."""
     with Engine.open(model_dir, max_seq=64) as engine:
         model = engine.model
-        model.kv = KVCache(len(model.layers), 64, model.kv_heads, model.head_dim, page_tokens=4)
+        att = model.recipe.attention
+        kv = model.state.kv = KVCache(len(model.layers), 64, att.kv_heads, att.head_dim, page_tokens=4)
         ids = PROMPT + [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
         runs = []
-        for pages in (None, [5, 0, 3, 1, 2]):
-            model.kv.reset()
-            if pages:
-                model.kv.pages = list(pages)
-                model.kv.free = [p for p in range(16) if p not in pages]
-            calls = []
-            monkeypatch.setattr(qwen3_moe, "decode_layers",
-                                lambda *a, real=qwen3_moe.decode_layers: (calls.append(1), real(*a))[1])
-            out = [model.forward(torch.tensor(PROMPT), 0)[-1]]
+        real = model.native.step_fn
+        for shuffle in (False, True):
+            out = [model.forward(torch.tensor(PROMPT), 0)[-1]]  # the prompt in pages 0 and 1
+            if shuffle:  # move them to pages 5 and 0; the decode steps take 1, 2, 3 after them
+                for pool in (kv.k, kv.v):
+                    first, second = pool[:, :, 0].clone(), pool[:, :, 1].clone()
+                    pool[:, :, 5], pool[:, :, 0] = first, second
+                kv.pages = [5, 0]
+                kv.free = [p for p in range(16) if p not in kv.pages]
+            spy = model.native.step_fn = StepSpy(real, len(model.layers))
             for pos, token in enumerate(ids[len(PROMPT):], start=len(PROMPT)):
                 out.append(model.forward(torch.tensor([token]), pos)[-1])
-            monkeypatch.undo()
-            runs.append((torch.stack(out), len(calls)))
+            runs.append((torch.stack(out), spy.calls))
+        assert kv.pages == [5, 0, 1, 2, 3]
         assert runs[0][1] > 0 and runs[1][1] == 0
-        model.kv.reset()
-        assert model.kv.contiguous_run() is None  # nothing reserved
+        kv.reset()
+        assert kv.contiguous_run() is None  # nothing reserved
         torch.testing.assert_close(runs[0][0], runs[1][0], atol=ATOL, rtol=0)
 
 
 def test_layer_loop_refuses_a_slot_table_past_the_ring(model_dir):
-    """decode_layers trusts slot_table's slots to hold records: one past the ring is refused, not read."""
+    """The native step trusts slot_table's slots to hold records: one past the ring is refused, not read."""
     with Engine.open(model_dir, max_seq=64) as engine:
         model = engine.model
-        model.kv.reserve(1)
-        run = model.kv.contiguous_run()
-        k_run, v_run = run.k.numpy(), run.v.numpy()
-        plan = list(model.experts.native_loop(model.top_k))
-        plan[7] = np.full_like(plan[7], engine.store.ring.n_slots)
-        n, h = len(model.layers), model.embed.shape[1]
-        x = np.zeros(h, np.float32)
+        loop = model.experts.native_loop(model.recipe.top_k)
+        engine.store.slot_table[0, 0] = engine.store.ring.n_slots
         with pytest.raises(ValueError, match="slot out of range"):
-            qwen3_moe.decode_layers(model.native_layers, 0, 0, 1, x, np.empty_like(x), 0, model.rotary.cos[0].numpy(),
-                                    model.rotary.signed_sin[0].numpy(), k_run, v_run, None,
-                                    np.empty((n, model.top_k), np.float32), np.empty((n, model.top_k), np.int32),
-                                    model._scratch, tuple(plan))
+            model.native.step(5, 0)

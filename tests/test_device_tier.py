@@ -31,14 +31,14 @@ def decode(engine):
     logits = [engine.logits(PROMPT)[-1]]
     tokens = [int(logits[-1].argmax())]
     for _ in range(STEPS):
-        logits.append(engine._forward([tokens[-1]], engine.model.kv.length)[-1])
+        logits.append(engine._forward([tokens[-1]], engine.model.state.length)[-1])
         tokens.append(int(logits[-1].argmax()))
     return tokens, torch.stack(logits)
 
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    with Engine.open(model_dir, max_seq=64) as engine:
+    with Engine.open(model_dir, max_seq=64, precision="exact") as engine:
         return decode(engine)
 
 
@@ -52,7 +52,7 @@ def record_bytes(model_dir):
 def test_same_tokens_with_the_tier_on_or_off(model_dir, reference, policy, share):
     record, n = record_bytes(model_dir)
     budget = int(share * n) * record
-    with Engine.open(model_dir, max_seq=64, device="cpu", vram_budget=budget, tier_policy=policy) as engine:
+    with Engine.open(model_dir, max_seq=64, precision="exact", device="cpu", vram_budget=budget, tier_policy=policy) as engine:
         tokens, logits = decode(engine)
         tier = engine.model.experts
         assert tokens == reference[0]
@@ -77,7 +77,7 @@ def test_prefill_experts_copied_over_by_the_cost_model(model_dir, reference):
     """A cost model under which the copy always pays sends every non-resident expert to the device for
     the chunk; the tokens do not change."""
     record, _ = record_bytes(model_dir)
-    with Engine.open(model_dir, max_seq=64, device="cpu", vram_budget=2 * record) as engine:
+    with Engine.open(model_dir, max_seq=64, precision="exact", device="cpu", vram_budget=2 * record) as engine:
         tier = engine.model.experts
         tier.cost = CostModel(cpu_fixed_s=1.0, cpu_per_token_s=1.0, copy_s=0.0, device_fixed_s=0.0,
                               device_per_token_s=0.0)
@@ -90,11 +90,11 @@ def test_prefill_experts_copied_over_by_the_cost_model(model_dir, reference):
 
 def test_cpu_stand_in_needs_a_budget_and_cuda_refuses_quantised_backbones(model_dir):
     with pytest.raises(ValueError, match="explicit vram_budget"):
-        Engine.open(model_dir, max_seq=64, device="cpu")
+        Engine.open(model_dir, max_seq=64, precision="exact", device="cpu")
     with pytest.raises(ValueError, match="CPU modes"):
-        Engine.open(model_dir, max_seq=64, device="cuda", backbone="int8")
+        Engine.open(model_dir, max_seq=64, precision="exact", device="cuda", backbone="int8")
     with pytest.raises(ValueError, match="tier_policy"):
-        Engine.open(model_dir, max_seq=64, device="cpu", vram_budget=0, tier_policy="random")
+        Engine.open(model_dir, max_seq=64, precision="exact", device="cpu", vram_budget=0, tier_policy="random")
 
 
 def test_device_cache_keeps_records_quantised_and_runs_them(model_dir):
@@ -151,7 +151,7 @@ def test_cost_model_fits_measured_lines(monkeypatch):
 def test_measured_cost_model_on_the_stand_in(model_dir):
     """At start-up the engine measures the constants; every one is a real, non-negative time."""
     record, _ = record_bytes(model_dir)
-    with Engine.open(model_dir, max_seq=64, device="cpu", vram_budget=record) as engine:
+    with Engine.open(model_dir, max_seq=64, precision="exact", device="cpu", vram_budget=record) as engine:
         tier = engine.model.experts
         assert isinstance(tier, TieredExperts)
         c = tier.cost

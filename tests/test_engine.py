@@ -28,7 +28,7 @@ def run(engine):
     out = [engine.logits(PROMPT)]
     token = int(out[-1][-1].argmax())
     for _ in range(STEPS):
-        out.append(engine.model.forward(torch.tensor([token]), engine.model.kv.length))
+        out.append(engine.model.forward(torch.tensor([token]), engine.model.state.length))
         token = int(out[-1][-1].argmax())
     return out
 
@@ -81,7 +81,8 @@ def test_slot_table_is_what_the_ring_holds(model_dir):
 
 
 def test_native_kernel_agrees_with_the_torch_reference(model_dir):
-    native, ref = run(Engine.open(model_dir, max_seq=64)), run(Engine.open(model_dir, max_seq=64, kernel="torch"))
+    native = run(Engine.open(model_dir, max_seq=64, precision="exact"))
+    ref = run(Engine.open(model_dir, max_seq=64, precision="exact", kernel="torch"))
     assert all((x - y).abs().max() < 5e-5 for x, y in zip(native, ref))
 
 
@@ -89,8 +90,8 @@ def test_int8_activation_kernel_stays_close(model_dir):
     from mosaic_runtime import _native
     if not _native.kernels.isa_available(_native.kernels.AVX512_VNNI):
         pytest.skip("no AVX-512 VNNI on this CPU")
-    fast = Engine.open(model_dir, max_seq=64, kernel="native-int8")
-    exact = Engine.open(model_dir, max_seq=64)
+    fast = Engine.open(model_dir, max_seq=64, precision="exact", kernel="native-int8")
+    exact = Engine.open(model_dir, max_seq=64, precision="exact")
     a, b = fast.logits(PROMPT), exact.logits(PROMPT)
     assert (a - b).abs().max() <= 0.02 * b.abs().max()  # int8 activations: ~0.4 % per dot product
     assert torch.equal(a.argmax(-1), b.argmax(-1))
@@ -119,16 +120,16 @@ def test_no_reallocation_in_the_token_loop(model_dir):
     engine = Engine.open(model_dir, ram_budget=1 << 30, max_seq=64)
     run(engine)  # warm: scratch sized, every expert read once
     ring, scratch = engine.store.ring.address, engine.model.experts._scratch.ctypes.data
-    kv = engine.model.kv.k.data_ptr()
+    kv = engine.model.state.kv.k.data_ptr()
     tracemalloc.start()
     before = tracemalloc.take_snapshot()
     token = 7
     for _ in range(8):
-        token = int(engine.model.forward(torch.tensor([token]), engine.model.kv.length)[-1].argmax())
+        token = int(engine.model.forward(torch.tensor([token]), engine.model.state.length)[-1].argmax())
     grown = sum(d.size_diff for d in tracemalloc.take_snapshot().compare_to(before, "filename") if d.size_diff > 0)
     tracemalloc.stop()
     assert engine.store.ring.address == ring and engine.model.experts._scratch.ctypes.data == scratch
-    assert engine.model.kv.k.data_ptr() == kv
+    assert engine.model.state.kv.k.data_ptr() == kv
     assert grown < 64 << 10  # Python-level churn only: no buffer grows with the tokens
 
 

@@ -15,6 +15,7 @@ import zstandard
 from builders import random_qwen3_moe
 from mosaic_runtime.engine import Engine
 from mosaic_shatter.convert import convert
+from reference import reference_model
 
 GOLDEN = Path(__file__).parent / "data" / "golden" / "qwen3_moe.json.zst"
 ATOL = 5e-5  # measured: at most 4.8e-6 on logits up to ~10
@@ -40,30 +41,13 @@ def vaults(tmp_path_factory):
     return out
 
 
-def reference_model(ckpt: Path, engine: Engine):
-    transformers = pytest.importorskip("transformers")
-    from safetensors.torch import load_file
-    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, t in load_file(engine.directory / "backbone.safetensors").items():
-            params[name].copy_(t.float())
-        for layer in engine.vault.moe_layers:
-            experts = model.model.layers[layer].mlp.experts
-            for e in range(engine.arch["num_experts"]):
-                gate, up, down = engine.vault.dequantize_expert(layer, e)
-                experts.gate_up_proj[e].copy_(torch.cat([gate, up]))
-                experts.down_proj[e].copy_(down)
-    return model
-
-
 def mosaic_run(engine: Engine):
     """Prefill logits, then greedy decode: (tokens, logits of every step)."""
     logits = [engine.logits(PROMPT)]
     tokens = []
     for _ in range(DECODE_STEPS):
         tokens.append(int(logits[-1][-1].argmax()))
-        logits.append(engine.model.forward(torch.tensor([tokens[-1]]), engine.model.kv.length))
+        logits.append(engine.model.forward(torch.tensor([tokens[-1]]), engine.model.state.length))
     return tokens, logits
 
 
@@ -72,7 +56,7 @@ def mosaic_run(engine: Engine):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_transformers(vaults, case, quant, kernel):
     ckpt, out = vaults[(case, quant)]
-    engine = Engine.open(out, max_seq=64, kernel=kernel)
+    engine = Engine.open(out, max_seq=64, kernel=kernel, precision="exact")
     tokens, logits = mosaic_run(engine)
     ref = reference_model(ckpt, engine)
     with torch.no_grad():
@@ -87,14 +71,14 @@ def test_matches_transformers(vaults, case, quant, kernel):
 
 
 def test_generate_ids_matches_the_greedy_loop(vaults):
-    engine = Engine.open(vaults[("dense-interleaved-gqa", "q4")][1], max_seq=64)
+    engine = Engine.open(vaults[("dense-interleaved-gqa", "q4")][1], max_seq=64, precision="exact")
     tokens, _ = mosaic_run(engine)
     assert list(engine.generate_ids(PROMPT, max_new_tokens=DECODE_STEPS)) == tokens
     assert engine.stats.new_tokens == DECODE_STEPS and engine.stats.prompt_tokens == len(PROMPT)
 
 
 def golden_tokens(vaults) -> dict:
-    return {f"{case}/{quant}": mosaic_run(Engine.open(out, max_seq=64))[0] for (case, quant), (_, out) in vaults.items()}
+    return {f"{case}/{quant}": mosaic_run(Engine.open(out, max_seq=64, precision="exact"))[0] for (case, quant), (_, out) in vaults.items()}
 
 
 def test_stored_golden_tokens(vaults):

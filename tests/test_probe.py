@@ -84,13 +84,13 @@ def test_probe_text_cli(skeletons):
 
 def test_unsupported_model_type_is_one_line_exit_2(tmp_path):
     cfg = json.loads((CONFIGS / "qwen3-30b-a3b.config.json").read_text())
-    cfg["model_type"] = "mixtral"
+    cfg["model_type"] = "dbrx"
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     (tmp_path / "model.safetensors").write_bytes(b"\x02\0\0\0\0\0\0\0{}")
     res = run_cli("probe", tmp_path)
     assert res.returncode == 2
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
-    assert "'mixtral'" in res.stderr
+    assert "'dbrx'" in res.stderr
 
 
 # Each test builds its own skeleton: copying one would fill its holes (57 GB of real zeros).

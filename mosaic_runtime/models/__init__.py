@@ -1,6 +1,32 @@
-"""One module per Hugging Face model_type; MODELS maps model_type to its model class."""
+"""Models: a recipe read from the vault's arch block (recipe.py), the family's tensor names (families.py),
+and one decoder that runs every recipe (decoder.py: the torch reference; native_step.py: the native
+decode step)."""
 
-from .qwen3_moe import Qwen3Moe
-from .qwen3_next import Qwen3Next
+from __future__ import annotations
 
-MODELS = {"qwen3_moe": Qwen3Moe, "qwen3_next": Qwen3Next, "qwen3_5_moe": Qwen3Next}
+from typing import Mapping
+
+import torch
+
+from ..experts import ExpertExecutor
+from .decoder import Decoder
+from .families import FAMILIES
+from ..recipe import ModelRecipe, read_recipe
+from .weights import Matrix, load_weights
+
+
+def model_recipe(arch: dict) -> ModelRecipe:
+    """The recipe of a vault's arch block, refused (NotImplementedError) when this runtime cannot run it."""
+    recipe = read_recipe(arch)
+    if recipe.model_type not in FAMILIES:
+        raise NotImplementedError(f"model_type {recipe.model_type!r} has no runtime model "
+                                  f"(supported: {', '.join(sorted(FAMILIES))})")
+    return recipe
+
+
+def build_model(recipe: ModelRecipe, tensors: Mapping[str, Matrix], experts: ExpertExecutor, max_seq: int,
+                kv_dtype: torch.dtype = torch.float32) -> Decoder:
+    return Decoder(recipe, load_weights(recipe, FAMILIES[recipe.model_type], tensors), experts, max_seq, kv_dtype)
+
+
+__all__ = ["Decoder", "FAMILIES", "ModelRecipe", "build_model", "model_recipe"]

@@ -1,4 +1,4 @@
-"""What every model family shares: norms, rotary embeddings and the attention over a KV cache."""
+"""The torch ops every recipe shares: RMSNorm, SwiGLU MLPs and attention over a KV cache."""
 
 from __future__ import annotations
 
@@ -32,50 +32,19 @@ def swiglu(x: torch.Tensor, gate, up, down) -> torch.Tensor:
     return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 
-class Rotary:
-    """RoPE tables for positions 0..max_positions-1, built once at start-up.
-
-    Supports the default (unscaled) and linear rope types and a partial rotary factor; others are refused
-    when the engine opens, not in the token loop.
-    """
-
-    SUPPORTED = ("default", "linear")
-
-    def __init__(self, rope: dict, head_dim: int, max_positions: int):
-        if rope["type"] not in self.SUPPORTED:
-            raise NotImplementedError(f"rope type {rope['type']!r} is not supported yet")
-        self.rot_dim = int(head_dim * rope["partial_rotary_factor"])
-        inv_freq = 1.0 / (rope["theta"] ** (torch.arange(0, self.rot_dim, 2, dtype=torch.int64).float() / self.rot_dim))
-        pos = torch.arange(max_positions, dtype=torch.float32)
-        if rope["type"] == "linear":
-            pos = pos / float(rope["scaling"]["factor"])
-        freqs = torch.outer(pos, inv_freq)  # [P, rot/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [P, rot]
-        self.cos = emb.cos()
-        # rotate_half(x) * sin == roll(x, rot/2) * sin with its first half negated: the same products, one
-        # op instead of a slice, a negation and a concatenation.
-        self.signed_sin = emb.sin() * torch.cat([-torch.ones(self.rot_dim // 2), torch.ones(self.rot_dim // 2)])
-
-    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tables for positions [T], looked up once per forward pass and shared by every layer."""
-        return self.cos[positions][:, None, :], self.signed_sin[positions][:, None, :]  # [T, 1, rot]
-
-    def apply(self, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x [T, heads, head_dim] rotated with tables = at(positions) (rotate-half convention)."""
-        cos, signed_sin = tables
-        if self.rot_dim == x.shape[-1]:
-            return x * cos + x.roll(self.rot_dim // 2, dims=-1) * signed_sin
-        rot, rest = x[..., :self.rot_dim], x[..., self.rot_dim:]
-        return torch.cat([rot * cos + rot.roll(self.rot_dim // 2, dims=-1) * signed_sin, rest], dim=-1)
-
-
 def cached_attention(q: torch.Tensor, k_cache: torch.Tensor | Int8Rows, v_cache: torch.Tensor | Int8Rows,
-                     start: int, scale: float) -> torch.Tensor:
+                     start: int, scale: float, window: int | None = None) -> torch.Tensor:
     """Causal GQA attention of T new queries at positions start..start+T-1 over cache[:start+T] (float32,
-    bf16, or an int8 cache's codes and row scales): a decode step (T == 1) on the CPU runs the native
-    kernel (native/src/attention.cpp, each key and value read once for the query heads that share it);
-    everything else, and the reference, is torch_attention (an int8 cache dequantized first)."""
+    bf16, or an int8 cache's codes and row scales), each query seeing the last `window` positions only when
+    a window is given: a decode step (T == 1) on the CPU runs the native kernel (native/src/attention.cpp,
+    each key and value read once for the query heads that share it); everything else, and the reference,
+    is torch_attention (an int8 cache dequantized first)."""
     end = start + q.shape[0]
+    if q.shape[0] == 1 and window is not None and end > window:  # a decode step sees the window's keys only
+        lo = end - window
+        k_cache, v_cache = ((Int8Rows(*(t[:, lo:end] for t in c)) if isinstance(c, Int8Rows) else c[:, lo:end])
+                            for c in (k_cache, v_cache))
+        start, end, window = window - 1, window, None
     if isinstance(k_cache, Int8Rows):  # an int8 cache: codes and a scale per row
         k, v = Int8Rows(*(t[:, :end] for t in k_cache)), Int8Rows(*(t[:, :end] for t in v_cache))
         if q.shape[0] == 1 and q.device.type == "cpu" and _rows_contiguous(k.codes, v.codes):
@@ -85,7 +54,7 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor | Int8Rows, v_cache:
                                                 k.codes.numpy(), v.codes.numpy(), k.scales.numpy(),
                                                 v.scales.numpy(), scale, out)
             return torch.from_numpy(out).view(1, hq * d)
-        return torch_attention(q, k.dequantize(), v.dequantize(), start, scale)
+        return torch_attention(q, k.dequantize(), v.dequantize(), start, scale, window)
     if q.shape[0] == 1 and q.device.type == "cpu" and k_cache.dtype in _DECODE_KERNELS:
         k, v = k_cache[:, :end], v_cache[:, :end]
         if _rows_contiguous(k, v):
@@ -96,7 +65,7 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor | Int8Rows, v_cache:
                 k, v = k.view(torch.uint16), v.view(torch.uint16)
             _DECODE_KERNELS[k_cache.dtype](_ISA, threads(), qs, k.numpy(), v.numpy(), scale, out)
             return torch.from_numpy(out).view(1, hq * d)
-    return torch_attention(q, k_cache, v_cache, start, scale)
+    return torch_attention(q, k_cache, v_cache, start, scale, window)
 
 
 def _rows_contiguous(k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -104,8 +73,9 @@ def _rows_contiguous(k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def torch_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
-                    scale: float) -> torch.Tensor:
-    """Causal GQA attention of T new queries at positions start..start+T-1 over cache[:start+T], in torch.
+                    scale: float, window: int | None = None) -> torch.Tensor:
+    """Causal GQA attention of T new queries at positions start..start+T-1 over cache[:start+T], in torch;
+    with a window, query i sees positions i-window+1..i only.
 
     The query heads of one KV head are folded into the query rows, so keys and values are read in place,
     never repeated per query head (at 32k tokens that copy would cost more than the attention).
@@ -122,9 +92,12 @@ def torch_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     rep = hq // hkv  # query head j reads KV head j // rep
     k, v = k_cache[:, :end].to(q.dtype), v_cache[:, :end].to(q.dtype)  # a bf16 cache is widened here
     qh = q.reshape(t, hkv, rep, d).permute(1, 2, 0, 3).reshape(hkv, rep * t, d)  # rows: (r, t)
-    if t == 1:  # decode sees every key; plain matmuls read the cache at 2x torch's fused CPU kernel here
+    if t == 1 and (window is None or end <= window):  # plain matmuls read the cache at 2x torch's fused CPU kernel
         out = torch.softmax((qh @ k.transpose(1, 2)) * scale, dim=-1) @ v
-    else:  # query i sees keys 0..start+i
-        mask = torch.ones(t, end, dtype=torch.bool).tril(diagonal=start).repeat(rep, 1)
+    else:  # query i sees keys 0..start+i (the last `window` of them)
+        mask = torch.ones(t, end, dtype=torch.bool).tril(diagonal=start)
+        if window is not None:
+            mask &= torch.ones(t, end, dtype=torch.bool).triu(diagonal=start - window + 1)
+        mask = mask.repeat(rep, 1)
         out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)  # [Hkv, rep*T, D]
     return out.reshape(hkv, rep, t, d).permute(2, 0, 1, 3).reshape(t, hq * d)

@@ -15,13 +15,13 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from ..experts import NativeExperts
+from ..experts import ExpertExecutor, NativeExperts
 from .cost import CostModel, device_expert_budget
 from .device_cache import DeviceExpertCache
 from .policy import POLICIES, TierPolicy
 
 
-class TieredExperts:
+class TieredExperts(ExpertExecutor):
     def __init__(self, cpu: NativeExperts, cache: DeviceExpertCache, policy: TierPolicy,
                  cost: CostModel | None = None):
         """Args:

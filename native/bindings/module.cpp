@@ -19,6 +19,8 @@
 namespace nb = nanobind;
 using namespace mosaic;
 
+void init_decode(nb::module_& m);  // decode_bindings.cpp
+
 namespace {
 
 const char* projection_name(Projection p) {
@@ -196,231 +198,6 @@ void init_kernels(nb::module_& m) {
                         v.stride(0), k_scale.data(), v_scale.data(), k_scale.stride(0), static_cast<int>(k.shape(0)),
                         static_cast<int>(k.shape(1)), scale, out.data(), threads, Isa(isa));
   });
-  // One Qwen3-MoE layer's decode step (native/src/decode_layer.cpp). Built once per layer from the
-  // backbone's arrays, which it keeps alive; run per token by decode_layers.
-  struct PyDecodeLayer {
-    DecodeLayer layer{};
-    std::vector<nb::ndarray<>> keep;  // the arrays the layer points into
-  };
-  using Floats1Out = nb::ndarray<float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-  using AnyMatrix = nb::ndarray<nb::ndim<2>, nb::c_contig, nb::device::cpu>;
-  // Layer i's cache rows in a [layers, kv_heads, rows, head_dim] run of float32, bf16 (as uint16) or int8;
-  // an int8 cache's row scales in float32 [layers, kv_heads, rows] runs.
-  using KvRun = nb::ndarray<nb::ndim<4>, nb::device::cpu>;
-  using ScaleRun = nb::ndarray<float, nb::ndim<3>, nb::device::cpu>;
-  struct CacheView {
-    void* data;
-    size_t heads, rows, dim;
-    int64_t head_stride, row_stride, col_stride;
-    static CacheView of(const KvRun& r, size_t i) {
-      return {static_cast<char*>(r.data()) + static_cast<int64_t>(i) * r.stride(0) * static_cast<int64_t>(r.itemsize()),
-              r.shape(1), r.shape(2), r.shape(3), r.stride(1), r.stride(2), r.stride(3)};
-    }
-  };
-  // Checks one call's shapes against the layer and points it at its cache rows.
-  auto bind_layer = [](DecodeLayer& L, size_t x_size, size_t h_size, int pos, size_t cos_size, size_t sin_size,
-                       KvDtype kv_dtype, CacheView kc, CacheView vc, float* k_scale, float* v_scale,
-                       int64_t scale_head_stride, size_t scratch_floats) {
-    const size_t d = static_cast<size_t>(L.head_dim);
-    check(x_size == static_cast<size_t>(L.hidden) && h_size == x_size, "DecodeLayer: x/h size");
-    check(cos_size == static_cast<size_t>(L.rot_dim) && sin_size == cos_size, "DecodeLayer: rope tables");
-    check(kc.heads == static_cast<size_t>(L.kv_heads) && kc.dim == d && vc.heads == kc.heads && vc.dim == d &&
-              pos >= 0 && static_cast<size_t>(pos) < kc.rows && static_cast<size_t>(pos) < vc.rows,
-          "DecodeLayer: cache run shape");
-    check(kc.col_stride == 1 && kc.row_stride == static_cast<int64_t>(d) && vc.col_stride == 1 &&
-              vc.row_stride == static_cast<int64_t>(d), "DecodeLayer: cache rows must be contiguous");
-    check(scratch_floats >= decode_layer_scratch_floats(L), "DecodeLayer: scratch too small");
-    L.kv_dtype = kv_dtype;
-    L.k_cache = kc.data;
-    L.v_cache = vc.data;
-    L.k_head_stride = kc.head_stride;
-    L.v_head_stride = vc.head_stride;
-    L.k_scale = k_scale;
-    L.v_scale = v_scale;
-    L.scale_head_stride = scale_head_stride;
-  };
-  // A backbone matrix from (codes, scales, kind[, cols]): bf16 bits [rows, cols] and no scales; int8 / E4M3
-  // codes [rows, cols] and float32 scales [rows]; Q4 codes [rows, ceil(cols/32)*16] and f16 scales [rows,
-  // ceil(cols/32)]. rows < 0: any. The arrays go into keep, which the owner holds.
-  auto backbone_matrix = [](nb::tuple t, int rows, int cols, const std::string& what,
-                            std::vector<nb::ndarray<>>& keep) {
-    BackboneMatrix p;
-    AnyMatrix w = nb::cast<AnyMatrix>(t[0]);
-    p.kind = static_cast<BackboneMatrix::Kind>(nb::cast<int>(t[2]));
-    const bool q4 = p.kind == BackboneMatrix::Q4;
-    p.rows = static_cast<int>(w.shape(0));
-    p.cols = q4 ? nb::cast<int>(t[3]) : static_cast<int>(w.shape(1));
-    check(p.kind == BackboneMatrix::Bf16 ? w.dtype() == nb::dtype<uint16_t>() : w.dtype() == nb::dtype<uint8_t>(),
-          what + " has the wrong dtype for its kind");
-    check((rows < 0 || p.rows == rows) && p.cols == cols, what + " shape");
-    check(!q4 || w.shape(1) == static_cast<size_t>((cols + 31) / 32 * 16), what + " Q4 codes shape");
-    p.w = w.data();
-    keep.push_back(nb::ndarray<>(w));
-    if (p.kind != BackboneMatrix::Bf16) {
-      nb::ndarray<nb::c_contig, nb::device::cpu> sc = nb::cast<nb::ndarray<nb::c_contig, nb::device::cpu>>(t[1]);
-      const size_t want = q4 ? static_cast<size_t>(p.rows) * ((cols + 31) / 32) : static_cast<size_t>(p.rows);
-      check(sc.size() == want && (q4 ? sc.dtype() == nb::dtype<uint16_t>() : sc.dtype() == nb::dtype<float>()),
-            what + " scales");
-      p.scales = sc.data();
-      keep.push_back(nb::ndarray<>(sc));
-    }
-    return p;
-  };
-  nb::class_<PyDecodeLayer>(k, "DecodeLayer")
-      .def("__init__", [backbone_matrix](PyDecodeLayer* self, nb::dict g, Floats1 input_norm, Floats1 post_norm, Floats1 q_norm,
-                          Floats1 k_norm, nb::tuple q, nb::tuple kk, nb::tuple v, nb::tuple o, nb::tuple router) {
-        new (self) PyDecodeLayer();
-        DecodeLayer& L = self->layer;
-        auto geo = [&](const char* key) { return nb::cast<double>(g[key]); };
-        L.hidden = static_cast<int>(geo("hidden"));
-        L.heads = static_cast<int>(geo("heads"));
-        L.kv_heads = static_cast<int>(geo("kv_heads"));
-        L.head_dim = static_cast<int>(geo("head_dim"));
-        L.rot_dim = static_cast<int>(geo("rot_dim"));
-        L.top_k = static_cast<int>(geo("top_k"));
-        L.norm_topk_prob = geo("norm_topk_prob") != 0;
-        L.eps = static_cast<float>(geo("eps"));
-        L.scale = static_cast<float>(geo("scale"));
-        check(L.rot_dim <= L.head_dim && L.rot_dim <= 1024 && L.rot_dim % 2 == 0, "DecodeLayer: rot_dim");
-        check(L.kv_heads > 0 && L.heads % L.kv_heads == 0, "DecodeLayer: heads");
-        check(input_norm.shape(0) == static_cast<size_t>(L.hidden) && post_norm.shape(0) == input_norm.shape(0) &&
-                  q_norm.shape(0) == static_cast<size_t>(L.head_dim) && k_norm.shape(0) == q_norm.shape(0),
-              "DecodeLayer: norm sizes");
-        L.input_norm = input_norm.data();
-        L.post_norm = post_norm.data();
-        L.q_norm = q_norm.data();
-        L.k_norm = k_norm.data();
-        for (auto a : {input_norm, post_norm, q_norm, k_norm}) self->keep.push_back(nb::ndarray<>(a));
-        auto proj = [&](nb::tuple t, int rows, int cols, const char* name) {
-          return backbone_matrix(t, rows, cols, std::string("DecodeLayer: ") + name, self->keep);
-        };
-        const int d = L.head_dim;
-        L.q = proj(q, L.heads * d, L.hidden, "q_proj");
-        L.k = proj(kk, L.kv_heads * d, L.hidden, "k_proj");
-        L.v = proj(v, L.kv_heads * d, L.hidden, "v_proj");
-        L.o = proj(o, L.hidden, L.heads * d, "o_proj");
-        if (router.size() != 0) {  // () for a dense layer
-          L.router = proj(router, -1, L.hidden, "router");
-          check(L.router.rows <= 1024 && L.top_k <= L.router.rows, "DecodeLayer: router size");
-        }
-      })
-      .def_prop_ro("scratch_floats", [](const PyDecodeLayer& self) { return decode_layer_scratch_floats(self.layer); });
-  // The final RMSNorm and lm_head of a decode step, run by decode_layers once every layer is done.
-  struct PyDecodeHead {
-    DecodeHead head{};
-    std::vector<nb::ndarray<>> keep;
-  };
-  nb::class_<PyDecodeHead>(k, "DecodeHead")
-      .def("__init__", [backbone_matrix](PyDecodeHead* self, Floats1 norm, float eps, nb::tuple lm_head) {
-        new (self) PyDecodeHead();
-        self->head.norm = norm.data();
-        self->head.eps = eps;
-        self->keep.push_back(nb::ndarray<>(norm));
-        self->head.lm_head = backbone_matrix(lm_head, -1, static_cast<int>(norm.shape(0)), "DecodeHead: lm_head",
-                                             self->keep);
-      });
-  // A decode step's layer loop (native/src/decode_token.cpp): layers[first:] with their caches at
-  // k_run[i] / v_run[i] ([layers, kv_heads, rows, head_dim]; kv_scales = (k_scale, v_scale) runs for an
-  // int8 cache, else None) and, unless experts is None, each MoE layer's
-  // experts from the ring: experts = (isa, threads, quant, scale_dtype, hidden, intermediate, ring,
-  // slot_of [layers, n_experts] int32, scratch). Returns (the layer left to the caller or len(layers),
-  // the experts' kernel seconds).
-  using Floats2Out = nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
-  using Ints2Out = nb::ndarray<int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
-  using Ints2 = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
-  k.def("decode_layers", [bind_layer](std::vector<PyDecodeLayer*> layers, int first, int isa, int threads,
-                                      Floats1Out x, Floats1Out h, int pos, Floats1 cos, Floats1 signed_sin,
-                                      KvRun k_run, KvRun v_run, nb::object kv_scales, Floats2Out topk_weights,
-                                      Ints2Out topk_ids, Scratch scratch, nb::object experts, nb::object head) {
-    const size_t n = layers.size();
-    check(first >= 0 && static_cast<size_t>(first) <= n && k_run.shape(0) == n && v_run.shape(0) == n,
-          "decode_layers: one cache run per layer");
-    check(isa_available(Isa(isa)), "decode_layers: this CPU lacks that ISA");
-    check(k_run.dtype() == v_run.dtype(), "decode_layers: K and V runs of one dtype");
-    KvDtype kv_dtype = KvDtype::F32;
-    if (k_run.dtype() == nb::dtype<uint16_t>()) kv_dtype = KvDtype::Bf16;
-    else if (k_run.dtype() == nb::dtype<int8_t>()) kv_dtype = KvDtype::I8;
-    else check(k_run.dtype() == nb::dtype<float>(), "decode_layers: a KV cache of float32, bf16 (as uint16) or int8");
-    ScaleRun k_scale, v_scale;
-    check((kv_dtype == KvDtype::I8) == !kv_scales.is_none(), "decode_layers: row scales for an int8 cache only");
-    if (kv_dtype == KvDtype::I8) {
-      nb::tuple t = nb::cast<nb::tuple>(kv_scales);
-      check(t.size() == 2, "decode_layers: kv_scales = (k_scale, v_scale)");
-      k_scale = nb::cast<ScaleRun>(t[0]);
-      v_scale = nb::cast<ScaleRun>(t[1]);
-      check(k_scale.shape(0) == n && v_scale.shape(0) == n && k_scale.shape(1) == k_run.shape(1) &&
-                v_scale.shape(1) == k_run.shape(1) && k_scale.shape(2) == k_run.shape(2) &&
-                v_scale.shape(2) == v_run.shape(2) && k_scale.stride(2) == 1 && v_scale.stride(2) == 1 &&
-                k_scale.stride(1) == v_scale.stride(1),
-            "decode_layers: scale runs [layers, kv_heads, rows], contiguous along rows, one head stride");
-    }
-    std::vector<DecodeLayer> native(n);
-    for (size_t i = 0; i < n; ++i) {
-      check(layers[i] != nullptr, "decode_layers: a layer is None");
-      DecodeLayer& L = layers[i]->layer;
-      const bool i8 = kv_dtype == KvDtype::I8;
-      bind_layer(L, x.shape(0), h.shape(0), pos, cos.shape(0), signed_sin.shape(0), kv_dtype, CacheView::of(k_run, i),
-                 CacheView::of(v_run, i), i8 ? k_scale.data() + static_cast<int64_t>(i) * k_scale.stride(0) : nullptr,
-                 i8 ? v_scale.data() + static_cast<int64_t>(i) * v_scale.stride(0) : nullptr,
-                 i8 ? k_scale.stride(1) : 0, scratch.shape(0));
-      check(L.router.rows == 0 || (topk_weights.shape(0) == n && topk_weights.shape(1) == static_cast<size_t>(L.top_k) &&
-                                   topk_ids.shape(0) == n && topk_ids.shape(1) == topk_weights.shape(1)),
-            "decode_layers: top-k arrays [layers, top_k]");
-      native[i] = L;
-    }
-    LoopExperts loop{};
-    Ints2 slot_of;
-    if (!experts.is_none()) {
-      nb::tuple t = nb::cast<nb::tuple>(experts);
-      check(t.size() == 9, "decode_layers: experts = (isa, threads, quant, scale_dtype, hidden, intermediate, ring, "
-                           "slot_of, scratch)");
-      loop.isa = Isa(nb::cast<int>(t[0]));
-      loop.threads = nb::cast<int>(t[1]);
-      const uint32_t quant = nb::cast<uint32_t>(t[2]), hidden = nb::cast<uint32_t>(t[4]);
-      loop.layout = layout_of(quant, nb::cast<uint32_t>(t[3]), hidden, nb::cast<uint32_t>(t[5]));
-      loop.quant = QuantType(quant);
-      const ExpertRing& ring = nb::cast<const ExpertRing&>(t[6]);
-      loop.ring = &ring;
-      slot_of = nb::cast<Ints2>(t[7]);
-      Scratch moe_scratch = nb::cast<Scratch>(t[8]);
-      check(isa_available(loop.isa), "decode_layers: this CPU lacks the experts' ISA");
-      check(hidden == x.shape(0) && loop.layout.record_bytes <= ring.slot_bytes(), "decode_layers: experts' layout");
-      check(slot_of.shape(0) == n, "decode_layers: slot_of [layers, n_experts]");
-      loop.slot_of = slot_of.data();
-      loop.n_experts = static_cast<int>(slot_of.shape(1));
-      for (size_t e = 0; e < slot_of.size(); ++e)
-        check(slot_of.data()[e] < static_cast<int32_t>(ring.n_slots()), "decode_layers: slot out of range");
-      int top_k = 1;
-      for (const DecodeLayer& L : native) top_k = std::max(top_k, L.top_k);
-      check(top_k <= 64, "decode_layers: top_k above 64");
-      check(moe_scratch.shape(0) >= moe_scratch_floats(loop.layout, top_k, 1, loop.threads),
-            "decode_layers: experts' scratch too small");
-      loop.scratch = moe_scratch.data();
-    }
-    const DecodeHead* final_head = nullptr;
-    float* logits = nullptr;
-    if (!head.is_none()) {
-      nb::tuple t = nb::cast<nb::tuple>(head);
-      check(t.size() == 2, "decode_layers: head = (DecodeHead, logits)");
-      final_head = &nb::cast<const PyDecodeHead&>(t[0]).head;
-      Floats1Out out = nb::cast<Floats1Out>(t[1]);
-      check(out.shape(0) == static_cast<size_t>(final_head->lm_head.rows) &&
-                static_cast<size_t>(final_head->lm_head.cols) == x.shape(0) && scratch.shape(0) >= x.shape(0),
-            "decode_layers: logits [vocab] for a head of hidden columns");
-      logits = out.data();
-    }
-    DecodeLayersResult r;
-    {
-      nb::gil_scoped_release release;
-      r = decode_layers(native.data(), static_cast<int>(n), first, experts.is_none() ? nullptr : &loop, final_head,
-                        x.data(), h.data(), pos, cos.data(), signed_sin.data(), topk_weights.data(), topk_ids.data(),
-                        logits, scratch.data(), threads, Isa(isa));
-    }
-    return std::make_tuple(r.stop, r.kernel_s);
-  }, nb::arg("layers"), nb::arg("first"), nb::arg("isa"), nb::arg("threads"), nb::arg("x"), nb::arg("h"), nb::arg("pos"),
-     nb::arg("cos"), nb::arg("signed_sin"), nb::arg("k_run"), nb::arg("v_run"), nb::arg("kv_scales").none(),
-     nb::arg("topk_weights"),
-     nb::arg("topk_ids"), nb::arg("scratch"), nb::arg("experts").none(), nb::arg("head").none() = nb::none());
   k.def("linear_q4", [](int isa, int threads, nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> codes,
                         nb::ndarray<const uint16_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> scales, Matrix x,
                         OutMatrix y) {
@@ -563,8 +340,9 @@ void init_io(nb::module_& m) {
 }  // namespace
 
 NB_MODULE(_native, m) {
-  m.doc() = "Mosaic native core: the format mirror, the expert kernels and the expert ring";
+  m.doc() = "Mosaic native core: the format mirror, the expert kernels, the decode step and the expert ring";
   init_format(m);
   init_kernels(m);
   init_io(m);
+  init_decode(m);
 }

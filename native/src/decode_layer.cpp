@@ -1,18 +1,17 @@
-// One decode step of a Qwen3-MoE layer's attention block and router, in one call: RMSNorm, the q/k/v
-// projections, q/k RMSNorm, RoPE, the KV write, decode attention, the output projection and residual,
-// the post-attention RMSNorm and the router's softmax top-k. The routed experts stay with the caller
-// (they run from the expert ring). The torch path of models/qwen3_moe.py is the reference.
+// One decode step of a layer of any recipe (decode.h): the attention mixer, the router, the shared expert
+// or dense MLP. The Gated DeltaNet mixer is in decode_delta.cpp, the layer loop (with the routed experts
+// from the ring) in decode_token.cpp. The torch reference is mosaic_runtime/models/decoder.py.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <vector>
 
 #include <omp.h>
 
-#include "mosaic/kernels.h"
+#include "mosaic/decode.h"
 
 namespace mosaic {
-namespace {
 
 void rms_norm(const float* x, const float* w, int n, float eps, float* y) {
   // double: one pass, no cancellation worries over thousands of squares; 8 partial sums, so the loop is
@@ -43,9 +42,9 @@ void project(const BackboneMatrix& p, const float* x, float* y, int threads, Isa
   }
 }
 
-// Several matrices applied to one x (q, k and v), their rows cut into one even split over the threads in
-// one parallel region: one fork and join instead of three, and no thread waits out a small matrix's tail
-// alone (k and v alone ran at 0.6 of q's bandwidth). Each row's result is what project() gives.
+// The matrices' rows cut into one even split over the threads in one parallel region: one fork and join
+// instead of one per matrix, and no thread waits out a small matrix's tail alone (k and v alone ran at
+// 0.6 of q's bandwidth). Each row's result is what project() gives.
 void project_together(const BackboneMatrix* const* ps, float* const* ys, int count, const float* x, int threads,
                       Isa isa) {
   int total = 0;
@@ -74,7 +73,13 @@ void project_together(const BackboneMatrix* const* ps, float* const* ys, int cou
   }
 }
 
-// Rotate-half RoPE of the first rot values of each head, with sin's first half negated (Rotary.at).
+namespace {
+
+float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
+
+constexpr int kMaxGroups = 256;  // router groups (DeepSeek-V3 has 8)
+
+// Rotate-half RoPE of the first rot values of each head, with sin's first half negated (rope.Rotary).
 void rope(float* x, int heads, int d, int rot, const float* cos, const float* signed_sin) {
   const int half = rot / 2;
   for (int h = 0; h < heads; ++h) {
@@ -87,11 +92,19 @@ void rope(float* x, int heads, int d, int rot, const float* cos, const float* si
   }
 }
 
+void add(float* y, const float* b, int n) {
+  for (int i = 0; i < n; ++i) y[i] += b[i];
+}
+
+void clamp(float* y, int n, float limit) {
+  for (int i = 0; i < n; ++i) y[i] = std::clamp(y[i], -limit, limit);
+}
+
 // One key or value row x [d] into the cache at element `at` as the cache holds it, rounded as
 // kv_cache.KVCache.store rounds: bf16 to nearest even (torch's conversion); int8 to code = round half to
 // even of x / scale, scale = amax / 127 (kv_cache.quantize_rows), its scale at scale_at.
-void store_row(const DecodeLayer& L, void* cache, int64_t at, float* scales, int64_t scale_at, const float* x, int d) {
-  switch (L.kv_dtype) {
+void store_row(KvDtype dtype, void* cache, int64_t at, float* scales, int64_t scale_at, const float* x, int d) {
+  switch (dtype) {
     case KvDtype::F32:
       std::memcpy(static_cast<float*>(cache) + at, x, sizeof(float) * d);
       break;
@@ -116,82 +129,188 @@ void store_row(const DecodeLayer& L, void* cache, int64_t at, float* scales, int
   }
 }
 
+uint64_t attention_scratch_floats(const AttentionMixer& a) {
+  const uint64_t q = static_cast<uint64_t>(a.heads) * a.head_dim, kv = static_cast<uint64_t>(a.kv_heads) * a.head_dim;
+  return (a.output_gate ? 2 * q : q) + q /* gate */ + 2 * kv + q /* attention */;
+}
+
+// out [hidden] = the attention mixer's output for normed input h at position pos; this position's key and
+// value go into the cache first.
+void attention_step(const AttentionMixer& a, int hidden, float eps, const KvRun& kv, const float* h, int pos,
+                    const float* cos, const float* signed_sin, float* out, float* scratch, int threads, Isa isa) {
+  const int d = a.head_dim, hq = a.heads, hkv = a.kv_heads;
+  const int64_t qn = static_cast<int64_t>(hq) * d, kn = static_cast<int64_t>(hkv) * d;
+  float* qg = scratch;                         // q_proj's rows: [query | gate] per head with an output gate
+  float* gate = qg + (a.output_gate ? 2 * qn : qn);
+  float* k = gate + qn;
+  float* v = k + kn;
+  float* attn = v + kn;
+  const BackboneMatrix* qkv[] = {&a.q, &a.k, &a.v};
+  float* const qkv_out[] = {qg, k, v};
+  project_together(qkv, qkv_out, 3, h, threads, isa);
+  if (a.q_bias) add(qg, a.q_bias, a.q.rows);
+  if (a.k_bias) add(k, a.k_bias, static_cast<int>(kn));
+  if (a.v_bias) add(v, a.v_bias, static_cast<int>(kn));
+  float* q = qg;
+  if (a.output_gate) {  // gather the queries to the front, the gates apart
+    for (int g = 0; g < hq; ++g) std::memcpy(gate + static_cast<int64_t>(g) * d, qg + (2 * g + 1) * static_cast<int64_t>(d),
+                                             sizeof(float) * d);
+    for (int g = 1; g < hq; ++g) std::memmove(q + static_cast<int64_t>(g) * d, qg + 2 * g * static_cast<int64_t>(d),
+                                              sizeof(float) * d);
+  }
+  if (a.qk_norm == QkNorm::Projection) {
+    rms_norm(q, a.q_norm, static_cast<int>(qn), eps, q);
+    rms_norm(k, a.k_norm, static_cast<int>(kn), eps, k);
+  } else if (a.qk_norm == QkNorm::Head) {
+    for (int g = 0; g < hq; ++g) rms_norm(q + static_cast<int64_t>(g) * d, a.q_norm, d, eps, q + static_cast<int64_t>(g) * d);
+    for (int g = 0; g < hkv; ++g) rms_norm(k + static_cast<int64_t>(g) * d, a.k_norm, d, eps, k + static_cast<int64_t>(g) * d);
+  }
+  if (a.clip_qkv > 0.f) {
+    clamp(q, static_cast<int>(qn), a.clip_qkv);
+    clamp(k, static_cast<int>(kn), a.clip_qkv);
+    clamp(v, static_cast<int>(kn), a.clip_qkv);
+  }
+  rope(q, hq, d, a.rot_dim, cos, signed_sin);
+  rope(k, hkv, d, a.rot_dim, cos, signed_sin);
+  // This position's keys and values into the cache, one row per KV head, then attention over it (the last
+  // sliding_window positions only, when windowed: the kernel reads them as a cache that starts there).
+  const int64_t kl = a.kv_layer * kv.k_layer_stride, vl = a.kv_layer * kv.v_layer_stride;
+  const int64_t sl = a.kv_layer * kv.scale_layer_stride;
+  for (int g = 0; g < hkv; ++g) {
+    const int64_t row = static_cast<int64_t>(pos) * d, scale_at = sl + g * kv.scale_head_stride + pos;
+    store_row(kv.dtype, kv.k, kl + g * kv.k_head_stride + row, kv.k_scale, scale_at, k + static_cast<int64_t>(g) * d, d);
+    store_row(kv.dtype, kv.v, vl + g * kv.v_head_stride + row, kv.v_scale, scale_at, v + static_cast<int64_t>(g) * d, d);
+  }
+  const int first = a.sliding_window > 0 ? std::max(0, pos + 1 - a.sliding_window) : 0;
+  const int length = pos + 1 - first;
+  const int64_t k0 = kl + static_cast<int64_t>(first) * d, v0 = vl + static_cast<int64_t>(first) * d;
+  switch (kv.dtype) {
+    case KvDtype::F32:
+      decode_attention(q, hq, d, static_cast<const float*>(kv.k) + k0, static_cast<const float*>(kv.v) + v0,
+                       kv.k_head_stride, kv.v_head_stride, hkv, length, a.scale, attn, threads, isa);
+      break;
+    case KvDtype::Bf16:
+      decode_attention_bf16(q, hq, d, static_cast<const uint16_t*>(kv.k) + k0, static_cast<const uint16_t*>(kv.v) + v0,
+                            kv.k_head_stride, kv.v_head_stride, hkv, length, a.scale, attn, threads, isa);
+      break;
+    case KvDtype::I8:
+      decode_attention_i8(q, hq, d, static_cast<const int8_t*>(kv.k) + k0, static_cast<const int8_t*>(kv.v) + v0,
+                          kv.k_head_stride, kv.v_head_stride, kv.k_scale + sl + first, kv.v_scale + sl + first,
+                          kv.scale_head_stride, hkv, length, a.scale, attn, threads, isa);
+      break;
+  }
+  if (a.output_gate)
+    for (int64_t i = 0; i < qn; ++i) attn[i] *= sigmoid(gate[i]);
+  project(a.o, attn, out, threads, isa);
+  if (a.o_bias) add(out, a.o_bias, hidden);
+}
+
+// The router's top-k of h: scores (softmax or sigmoid of the logits), the experts chosen by score + bias
+// among the best groups, their scores as weights (renormalised, scaled). routing.route is the reference.
+void route(const Router& r, const float* h, float* topk_weights, int32_t* topk_ids, float* scratch, int threads,
+           Isa isa) {
+  const int E = r.gate.rows;
+  float* scores = scratch;
+  float* choice = scores + E;
+  project(r.gate, h, scores, threads, isa);
+  if (r.scoring == Scoring::Softmax) {
+    const float mx = *std::max_element(scores, scores + E);
+    float sum = 0.f;
+    for (int e = 0; e < E; ++e) sum += (scores[e] = std::exp(scores[e] - mx));
+    for (int e = 0; e < E; ++e) scores[e] /= sum;
+  } else {
+    for (int e = 0; e < E; ++e) scores[e] = sigmoid(scores[e]);
+  }
+  for (int e = 0; e < E; ++e) choice[e] = r.score_bias ? scores[e] + r.score_bias[e] : scores[e];
+  thread_local std::vector<int32_t> order;
+  order.resize(E);
+  if (r.method != TopkMethod::Greedy && r.n_group > 1) {  // only the best topk_group groups compete
+    const int per = E / r.n_group;
+    float group_worth[kMaxGroups];
+    for (int g = 0; g < r.n_group; ++g) {
+      const float* c = choice + static_cast<int64_t>(g) * per;
+      if (r.method == TopkMethod::NoauxTc) {  // the sum of its two best
+        float a = -INFINITY, b = -INFINITY;
+        for (int e = 0; e < per; ++e) {
+          if (c[e] > a) b = a, a = c[e];
+          else if (c[e] > b) b = c[e];
+        }
+        group_worth[g] = a + (per > 1 ? b : 0.f);
+      } else {
+        group_worth[g] = *std::max_element(c, c + per);
+      }
+    }
+    int groups[kMaxGroups];
+    std::iota(groups, groups + r.n_group, 0);
+    std::partial_sort(groups, groups + r.topk_group, groups + r.n_group, [&](int a, int b) {
+      return group_worth[a] > group_worth[b] || (group_worth[a] == group_worth[b] && a < b);
+    });
+    bool keep[kMaxGroups] = {};
+    for (int g = 0; g < r.topk_group; ++g) keep[groups[g]] = true;
+    for (int e = 0; e < E; ++e)
+      if (!keep[e / per]) choice[e] = -INFINITY;
+  }
+  std::iota(order.begin(), order.end(), 0);
+  std::partial_sort(order.begin(), order.begin() + r.top_k, order.end(), [&](int32_t a, int32_t b) {
+    return choice[a] > choice[b] || (choice[a] == choice[b] && a < b);
+  });
+  float picked = 0.f;
+  for (int j = 0; j < r.top_k; ++j) picked += scores[order[j]];
+  const float denom = !r.norm_topk_prob ? 1.f : picked + (r.scoring == Scoring::Sigmoid ? 1e-20f : 0.f);
+  for (int j = 0; j < r.top_k; ++j) {
+    topk_ids[j] = order[j];
+    topk_weights[j] = (r.norm_topk_prob ? scores[order[j]] / denom : scores[order[j]]) * r.scaling;
+  }
+}
+
 }  // namespace
 
+// Scratch: [normed: H][mixer output: H][work], the work area shared in turn by the mixer, the router and
+// the MLP.
 uint64_t decode_layer_scratch_floats(const DecodeLayer& L) {
-  const int d = L.head_dim;
-  return static_cast<uint64_t>(L.hidden) * 2 + static_cast<uint64_t>(L.heads) * d * 2 +
-         static_cast<uint64_t>(L.kv_heads) * d * 2 + std::max(L.router.rows, 1);
+  const uint64_t mixer = L.delta_net ? delta_net_scratch_floats(L.delta) : attention_scratch_floats(L.attention);
+  const uint64_t router = 2 * static_cast<uint64_t>(L.ffn.router.gate.rows);
+  const uint64_t mlp = 2 * static_cast<uint64_t>(L.ffn.gate.rows) + L.hidden + 1;
+  return 2 * static_cast<uint64_t>(L.hidden) + std::max({mixer, router, mlp});
+}
+
+// x += the layer's mixer; h = post-attention norm of x; the router's top-k; x += the shared expert or
+// dense MLP. The routed experts are the caller's (decode_layers).
+void decode_layer(const DecodeLayer& L, const KvRun& kv, float* x, float* h, int pos, const float* cos,
+                  const float* signed_sin, float* topk_weights, int32_t* topk_ids, float* scratch, int threads,
+                  Isa isa) {
+  const int H = L.hidden;
+  float* normed = scratch;
+  float* out = normed + H;
+  float* work = out + H;
+  rms_norm(x, L.input_norm, H, L.eps, normed);
+  if (L.delta_net) delta_net_step(L.delta, normed, out, work, threads, isa);
+  else attention_step(L.attention, H, L.eps, kv, normed, pos, cos, signed_sin, out, work, threads, isa);
+  add(x, out, H);
+  rms_norm(x, L.post_norm, H, L.eps, h);
+  const Ffn& f = L.ffn;
+  if (f.router.gate.rows) route(f.router, h, topk_weights, topk_ids, work, threads, isa);
+  if (f.gate.rows == 0) return;
+  const int I = f.gate.rows;
+  float* g = work;
+  float* u = g + I;
+  float* y = u + I;
+  const BackboneMatrix* gu[] = {&f.gate, &f.up};
+  float* const gu_out[] = {g, u};
+  project_together(gu, gu_out, 2, h, threads, isa);
+  for (int i = 0; i < I; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  project(f.down, g, y, threads, isa);
+  float s = 1.f;
+  if (f.shared_gate.rows) {
+    project(f.shared_gate, h, y + H, 1, isa);
+    s = sigmoid(y[H]);
+  }
+  for (int i = 0; i < H; ++i) x[i] += s * y[i];
 }
 
 void decode_head(const DecodeHead& head, const float* x, float* logits, float* scratch, int threads, Isa isa) {
   rms_norm(x, head.norm, head.lm_head.cols, head.eps, scratch);
   project(head.lm_head, scratch, logits, threads, isa);
-}
-
-void decode_layer(const DecodeLayer& L, float* x, float* h, int pos, const float* cos, const float* signed_sin,
-                  float* topk_weights, int32_t* topk_ids, float* scratch, int threads, Isa isa) {
-  const int H = L.hidden, d = L.head_dim, hq = L.heads, hkv = L.kv_heads;
-  float* normed = scratch;
-  float* q = normed + H;
-  float* attn = q + static_cast<int64_t>(hq) * d;
-  float* k = attn + static_cast<int64_t>(hq) * d;
-  float* v = k + static_cast<int64_t>(hkv) * d;
-  float* o = v + static_cast<int64_t>(hkv) * d;
-  float* logits = o + H;
-
-  rms_norm(x, L.input_norm, H, L.eps, normed);
-  const BackboneMatrix* qkv[] = {&L.q, &L.k, &L.v};
-  float* const qkv_out[] = {q, k, v};
-  project_together(qkv, qkv_out, 3, normed, threads, isa);
-  for (int g = 0; g < hq; ++g) rms_norm(q + static_cast<int64_t>(g) * d, L.q_norm, d, L.eps, q + static_cast<int64_t>(g) * d);
-  for (int g = 0; g < hkv; ++g) rms_norm(k + static_cast<int64_t>(g) * d, L.k_norm, d, L.eps, k + static_cast<int64_t>(g) * d);
-  rope(q, hq, d, L.rot_dim, cos, signed_sin);
-  rope(k, hkv, d, L.rot_dim, cos, signed_sin);
-  // This position's keys and values into the cache, one row per KV head, then attention over it.
-  for (int g = 0; g < hkv; ++g) {
-    const int64_t row = static_cast<int64_t>(pos) * d, scale_at = g * L.scale_head_stride + pos;
-    store_row(L, L.k_cache, g * L.k_head_stride + row, L.k_scale, scale_at, k + static_cast<int64_t>(g) * d, d);
-    store_row(L, L.v_cache, g * L.v_head_stride + row, L.v_scale, scale_at, v + static_cast<int64_t>(g) * d, d);
-  }
-  switch (L.kv_dtype) {
-    case KvDtype::F32:
-      decode_attention(q, hq, d, static_cast<const float*>(L.k_cache), static_cast<const float*>(L.v_cache),
-                       L.k_head_stride, L.v_head_stride, hkv, pos + 1, L.scale, attn, threads, isa);
-      break;
-    case KvDtype::Bf16:
-      decode_attention_bf16(q, hq, d, static_cast<const uint16_t*>(L.k_cache), static_cast<const uint16_t*>(L.v_cache),
-                            L.k_head_stride, L.v_head_stride, hkv, pos + 1, L.scale, attn, threads, isa);
-      break;
-    case KvDtype::I8:
-      decode_attention_i8(q, hq, d, static_cast<const int8_t*>(L.k_cache), static_cast<const int8_t*>(L.v_cache),
-                          L.k_head_stride, L.v_head_stride, L.k_scale, L.v_scale, L.scale_head_stride, hkv, pos + 1,
-                          L.scale, attn, threads, isa);
-      break;
-  }
-  project(L.o, attn, o, threads, isa);
-  for (int i = 0; i < H; ++i) x[i] += o[i];
-  rms_norm(x, L.post_norm, H, L.eps, h);
-  if (L.router.rows == 0) return;  // a dense layer: the caller runs its MLP on h
-
-  // Router: softmax over every expert in float32, the top k, renormalised if the model says so.
-  const int E = L.router.rows;
-  project(L.router, h, logits, threads, isa);
-  const float mx = *std::max_element(logits, logits + E);
-  float sum = 0.f;
-  for (int e = 0; e < E; ++e) sum += (logits[e] = std::exp(logits[e] - mx));
-  for (int e = 0; e < E; ++e) logits[e] /= sum;
-  int32_t order[1024];
-  std::iota(order, order + E, 0);
-  std::partial_sort(order, order + L.top_k, order + E, [&](int32_t a, int32_t b) {
-    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
-  });
-  float picked = 0.f;
-  for (int j = 0; j < L.top_k; ++j) picked += logits[order[j]];
-  for (int j = 0; j < L.top_k; ++j) {
-    topk_ids[j] = order[j];
-    topk_weights[j] = L.norm_topk_prob ? logits[order[j]] / picked : logits[order[j]];
-  }
 }
 
 }  // namespace mosaic

@@ -1,27 +1,29 @@
-// A decode step's layer loop in one call: each layer's attention block and router (decode_layer), then its
-// routed experts straight from the ring into the residual stream, while every record they need is held.
-// The loop stops at the first layer it cannot finish alone (a dense MLP, or an expert whose record is not
-// held), with that layer's h and top-k left for the caller, which runs it and calls again from the next;
-// the call that finishes the last layer also runs the final norm and lm_head when given a head.
+// A decode step's layer loop in one call: each layer's mixer, router and shared expert or dense MLP
+// (decode_layer), then its routed experts straight from the ring into the residual stream, while every
+// record they need is held. The loop stops at the first MoE layer it cannot finish alone (an expert whose
+// record is not held, or no ring at all), with that layer's h and top-k left for the caller, which adds its
+// routed experts and calls again from the next; the call that finishes the last layer also runs the final
+// norm and lm_head when given a head.
 // It exists for speed only: per layer, the Python loop it replaces cost as much as 0.1 ms of interpreter
 // work, most of it cache misses after the weights streamed through.
+#include "mosaic/decode.h"
 #include "mosaic/expert_ring.h"
-#include "mosaic/kernels.h"
 
 namespace mosaic {
 
-DecodeLayersResult decode_layers(DecodeLayer* layers, int n_layers, int first, const LoopExperts* experts,
-                                 const DecodeHead* head, float* x, float* h, int pos, const float* cos,
-                                 const float* signed_sin, float* topk_weights, int32_t* topk_ids, float* logits,
-                                 float* scratch, int threads, Isa isa) {
+DecodeLayersResult decode_layers(const DecodeLayer* layers, int n_layers, int first, const KvRun& kv,
+                                 const LoopExperts* experts, const DecodeHead* head, float* x, float* h, int pos,
+                                 const float* cos, const float* signed_sin, float* topk_weights, int32_t* topk_ids,
+                                 int top_k_stride, float* logits, float* scratch, int threads, Isa isa) {
   DecodeLayersResult result{n_layers, 0.0};
   for (int i = first; i < n_layers; ++i) {
     const DecodeLayer& L = layers[i];
-    const int k = L.top_k;
-    float* w = topk_weights + static_cast<int64_t>(i) * k;
-    int32_t* ids = topk_ids + static_cast<int64_t>(i) * k;
-    decode_layer(L, x, h, pos, cos, signed_sin, w, ids, scratch, threads, isa);
-    if (L.router.rows == 0 || experts == nullptr) return {i, result.kernel_s};  // a dense MLP: the caller's
+    float* w = topk_weights + static_cast<int64_t>(i) * top_k_stride;
+    int32_t* ids = topk_ids + static_cast<int64_t>(i) * top_k_stride;
+    decode_layer(L, kv, x, h, pos, cos, signed_sin, w, ids, scratch, threads, isa);
+    const int k = L.ffn.router.top_k;
+    if (L.ffn.router.gate.rows == 0) continue;  // a dense layer: done
+    if (experts == nullptr) return {i, result.kernel_s};
     // The experts in ascending id (the combine order of every executor), each from its held record.
     int order[64];
     for (int j = 0; j < k; ++j) {

@@ -1,0 +1,146 @@
+"""A decoder-only MoE of any recipe: the torch reference (prefill, and every step the native decode step
+does not take), and decode steps through the native step (native_step.py) where it applies.
+
+Per layer: x += mixer(norm(x)), then x += ffn(norm(x)). Mixers: attention (GQA, optional biases, q/k norm
+per head or over the projection, clipping, output gate, partial RoPE, a sliding window) or Gated DeltaNet;
+FFNs: routed experts through the executor (with an optional, optionally gated, shared expert) or a dense
+MLP. Routed experts run in the executor the model is given; the model never touches vaults or rings.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..experts import ExpertExecutor
+from ..ops import linear
+from ..routing import route
+from .base import cached_attention, rms_norm, swiglu
+from .delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from ..recipe import Attention, DeltaNet, Ffn, ModelRecipe, QkNorm
+from .rope import Rotary
+from .state import SequenceState
+from .weights import AttentionWeights, DeltaNetWeights, FfnWeights, ModelWeights
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class Decoder:
+    def __init__(self, recipe: ModelRecipe, weights: ModelWeights, experts: ExpertExecutor, max_seq: int,
+                 kv_dtype: torch.dtype = torch.float32, dtype: torch.dtype = torch.float32):
+        """Args:
+            recipe: what each layer is made of (recipe.read_recipe of the vault's arch block).
+            weights: the backbone's tensors for it (weights.load_weights).
+            experts: runs the routed experts of a layer.
+            max_seq: longest context; the sequence state is allocated here, once.
+            kv_dtype: what the KV cache holds (float32; bfloat16 or int8 with row scales, for less memory).
+        """
+        self.recipe, self.weights, self.experts, self.dtype = recipe, weights, experts, dtype
+        self.state = SequenceState(recipe, max_seq, kv_dtype)
+        att = recipe.attention
+        self.rotary = Rotary(att.rope, max_seq) if att is not None else None
+        from .native_step import NativeStep  # the native side imports this module's reference pieces
+        self.native = NativeStep.build(self)  # the fused decode step, where it applies
+        self.use_native_decode = self.native is not None
+
+    @property
+    def layers(self):
+        return self.weights.layers
+
+    # --- token mixers -----------------------------------------------------------------------------
+    def attention(self, att: Attention, w: AttentionWeights, slot: int, x: torch.Tensor, start: int,
+                  rope) -> torch.Tensor:
+        t, d, eps = x.shape[0], att.head_dim, self.recipe.eps  # T new tokens, D head_dim
+        q = linear(x, w.q)
+        k, v = linear(x, w.k), linear(x, w.v)
+        if att.qkv_bias:
+            q, k, v = q + w.q_bias, k + w.k_bias, v + w.v_bias
+        gate = None
+        if att.output_gate:  # per head: query, then gate
+            qg = q.view(t, att.heads, 2 * d)
+            q, gate = qg[..., :d].reshape(t, att.heads * d), qg[..., d:].reshape(t, att.heads * d)
+        if att.qk_norm is QkNorm.PROJECTION:
+            q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
+        q, k, v = q.view(t, att.heads, d), k.view(t, att.kv_heads, d), v.view(t, att.kv_heads, d)
+        if att.qk_norm is QkNorm.HEAD:
+            q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
+        if att.clip_qkv is not None:
+            q, k, v = (z.clamp(-att.clip_qkv, att.clip_qkv) for z in (q, k, v))
+        q, k = self.rotary.apply(q, rope), self.rotary.apply(k, rope)
+        k_cache, v_cache = self.state.kv.store(slot, start, k, v)
+        o = cached_attention(q, k_cache, v_cache, start, att.scale, att.sliding_window)  # [T, heads * D]
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        o = linear(o, w.o)
+        return o + w.o_bias if att.o_bias else o
+
+    def delta_net(self, dn: DeltaNet, w: DeltaNetWeights, slot: int, x: torch.Tensor) -> torch.Tensor:
+        t, kd = x.shape[0], dn.key_heads * dn.key_dim
+        hv, dv = dn.value_heads, dn.value_dim
+        mixed = linear(x, w.qkv)  # [T, C]
+        z = linear(x, w.z).view(t, hv, dv)
+        beta = torch.sigmoid(linear(x, w.b))
+        g = w.neg_decay * F.softplus(linear(x, w.a) + w.dt_bias)  # log-decay <= 0
+        # Causal depthwise conv over time: the window is the state's last K-1 inputs then the new ones.
+        conv_state = self.state.conv[slot]
+        window = torch.cat([conv_state, mixed.T], dim=1)  # [C, K-1+T]
+        conv = F.conv1d(window[None], w.conv[:, None, :], groups=window.shape[0])[0].T  # [T, C]
+        conv_state.copy_(window[:, -(dn.conv_kernel - 1):])
+        conv = F.silu(conv)
+        rep = hv // dn.key_heads  # value head h reads key head h // rep
+        q = l2norm(conv[:, :kd].view(t, dn.key_heads, dn.key_dim).repeat_interleave(rep, 1)) * dn.key_dim ** -0.5
+        k = l2norm(conv[:, kd:2 * kd].view(t, dn.key_heads, dn.key_dim).repeat_interleave(rep, 1))
+        v = conv[:, 2 * kd:].view(t, hv, dv)
+        rule = recurrent_gated_delta_rule if t == 1 else chunk_gated_delta_rule
+        o = rule(q, k, v, g, beta, self.state.recurrent[slot])  # [T, Hv, dv]
+        o = rms_norm(o, w.norm, self.recipe.eps) * F.silu(z)
+        return linear(o.reshape(t, hv * dv), w.out)
+
+    # --- FFN ----------------------------------------------------------------------------------------
+    def ffn(self, i: int, ffn: Ffn, w: FfnWeights, x: torch.Tensor) -> torch.Tensor:
+        if ffn.router is None:
+            return swiglu(x, w.gate, w.up, w.down)
+        topk_weights, topk_ids = route(linear(x, w.router), ffn.router, w.router_bias)
+        y = self.experts(i, x, topk_weights, topk_ids)
+        if ffn.intermediate:
+            shared = swiglu(x, w.gate, w.up, w.down)
+            if ffn.shared_gate:
+                shared = torch.sigmoid(linear(x, w.shared_gate)) * shared
+            y = y + shared
+        return y
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """Logits [T, V] (float32) of tokens ids [T] at positions start..start+T-1; extends the state.
+
+        start 0 starts afresh. A model with a recurrent (DeltaNet) state continues from exactly the tokens
+        it holds (start == state.length); a KV cache alone may also be cut back (start < length). A decode
+        step (T == 1) runs the native step when it applies (use_native_decode).
+        """
+        state, t = self.state, ids.shape[0]
+        if start == 0:
+            state.reset()
+        elif start > state.length or (start < state.length and not state.rewindable):
+            raise ValueError(f"this model continues from its state ({state.length} tokens), not from {start}")
+        if start + t > state.max_seq:
+            raise ValueError(f"context of {start + t} tokens exceeds the KV cache ({state.max_seq}); "
+                             "open the engine with a larger max_seq")
+        if t == 1 and self.use_native_decode:
+            logits = self.native.step(int(ids[0]), start)
+            if logits is not None:  # else (KV pages out of order) the torch path gathers them
+                state.length = start + 1
+                return logits
+        x = self.weights.embed[ids].to(self.dtype)  # [T, H]
+        rope = self.rotary.at(torch.arange(start, start + t)) if self.rotary is not None else None
+        eps = self.recipe.eps
+        for i, (layer, w) in enumerate(zip(self.recipe.layers, self.weights.layers)):
+            h = rms_norm(x, w.input_norm, eps)
+            if isinstance(layer.mixer, Attention):
+                x = x + self.attention(layer.mixer, w.mixer, state.slot[i], h, start, rope)
+            else:
+                x = x + self.delta_net(layer.mixer, w.mixer, state.slot[i], h)
+            x = x + self.ffn(i, layer.ffn, w.ffn, rms_norm(x, w.post_norm, eps))
+        state.length = start + t
+        return linear(rms_norm(x, self.weights.final_norm, eps), self.weights.lm_head).float()

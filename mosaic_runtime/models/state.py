@@ -1,0 +1,63 @@
+"""What a sequence leaves behind: a KV cache for the attention layers only, and per Gated DeltaNet layer its
+conv window and recurrent state. Allocated once, at the size the recipe and max_seq give; the model reports
+that size before allocating it (bytes_for), so the engine gives the expert ring the rest."""
+
+from __future__ import annotations
+
+import torch
+
+from ..kv_cache import KVCache
+from ..recipe import Attention, ModelRecipe
+
+
+class SequenceState:
+    def __init__(self, recipe: ModelRecipe, max_seq: int, kv_dtype: torch.dtype = torch.float32):
+        att, delta = recipe.attention, recipe.delta_layers
+        self._max_seq = max_seq
+        self.kv = KVCache(len(recipe.attention_layers), max_seq, att.kv_heads, att.head_dim, kv_dtype) if att else None
+        # slot[i]: layer i's row in the KV cache (attention) or in the DeltaNet states
+        self.slot = [0] * len(recipe.layers)
+        for kind in (recipe.attention_layers, delta):
+            for row, layer in enumerate(kind):
+                self.slot[layer] = row
+        dn = recipe.layers[delta[0]].mixer if delta else None
+        self.conv = torch.zeros(len(delta), dn.channels, dn.conv_kernel - 1) if dn else None  # oldest input first
+        self.recurrent = torch.zeros(len(delta), dn.value_heads, dn.key_dim, dn.value_dim) if dn else None
+        self.length = 0  # tokens the state holds
+
+    @property
+    def max_seq(self) -> int:
+        return self._max_seq
+
+    @property
+    def rewindable(self) -> bool:
+        """A recurrent state cannot be cut back to a prefix: a conversation keeps all of it or none."""
+        return self.recurrent is None
+
+    def reset(self) -> None:
+        if self.kv is not None:
+            self.kv.reset()
+        if self.recurrent is not None:
+            self.conv.zero_()
+            self.recurrent.zero_()
+        self.length = 0
+
+    @property
+    def state_bytes(self) -> int:
+        """The DeltaNet layers' conv windows and recurrent states: constant, whatever the context."""
+        if self.recurrent is None:
+            return 0
+        return (self.conv.numel() + self.recurrent.numel()) * self.recurrent.element_size()
+
+    @staticmethod
+    def bytes_for(recipe: ModelRecipe, max_seq: int, kv_dtype: torch.dtype) -> int:
+        """What a state for this recipe and max_seq holds, before it is allocated."""
+        att: Attention | None = recipe.attention
+        total = 0
+        if att is not None:
+            total += KVCache.bytes_for(len(recipe.attention_layers), max_seq, att.kv_heads, att.head_dim,
+                                       kv_dtype.itemsize)
+        for i in recipe.delta_layers:
+            dn = recipe.layers[i].mixer
+            total += 4 * (dn.channels * (dn.conv_kernel - 1) + dn.value_heads * dn.key_dim * dn.value_dim)
+        return total

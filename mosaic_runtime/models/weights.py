@@ -1,0 +1,167 @@
+"""The backbone as a model holds it: per layer, the tensors its recipe needs, found by the family's names.
+
+Matrices stay as stored (bf16, or quantised at load: backbone.QuantizedMatrix, Q4Matrix) for ops.linear and
+the native kernels; vectors (norms, biases, the DeltaNet's decay terms) become float32 once, here, with a
+zero-centred norm's offset already added.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Union
+
+import torch
+
+from ..backbone import Q4Matrix, QuantizedMatrix
+from .families import WeightNames
+from ..recipe import Attention, DeltaNet, ModelRecipe, QkNorm
+
+Matrix = Union[torch.Tensor, QuantizedMatrix, Q4Matrix]  # [out, in]
+
+
+@dataclass
+class AttentionWeights:
+    q: Matrix  # [heads * D, H]; with an output gate [heads * 2D, H]: per head, query then gate
+    k: Matrix  # [kv_heads * D, H]
+    v: Matrix  # [kv_heads * D, H]
+    o: Matrix  # [H, heads * D]
+    q_bias: torch.Tensor | None  # [rows of q]
+    k_bias: torch.Tensor | None
+    v_bias: torch.Tensor | None
+    o_bias: torch.Tensor | None  # [H]
+    q_norm: torch.Tensor | None  # [D] per head, or [heads * D] over the projection
+    k_norm: torch.Tensor | None
+
+
+@dataclass
+class DeltaNetWeights:
+    qkv: Matrix  # [2*Hk*dk + Hv*dv, H]: q heads, k heads, v heads (the conv's channel order)
+    z: Matrix  # [Hv*dv, H] output gate
+    b: Matrix  # [Hv, H] -> beta
+    a: Matrix  # [Hv, H] -> decay
+    conv: torch.Tensor  # [C, K] depthwise taps; [:, K-1] multiplies the current token
+    neg_decay: torch.Tensor  # [Hv]: -exp(A_log)
+    dt_bias: torch.Tensor  # [Hv]
+    norm: torch.Tensor  # [dv], plain w * x (not zero-centred)
+    out: Matrix  # [H, Hv*dv]
+
+
+@dataclass
+class FfnWeights:
+    router: Matrix | None  # [E, H]
+    router_bias: torch.Tensor | None  # [E] score correction bias
+    gate: Matrix | None  # the dense MLP's or the shared expert's [I, H]
+    up: Matrix | None  # [I, H]
+    down: Matrix | None  # [H, I]
+    shared_gate: Matrix | None  # [1, H]
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [H]
+    post_norm: torch.Tensor  # [H]
+    mixer: AttentionWeights | DeltaNetWeights
+    ffn: FfnWeights
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor  # [V, H]
+    final_norm: torch.Tensor  # [H]
+    lm_head: Matrix  # [V, H]; the embedding itself when tied (unless quantised at load: backbone.py)
+    layers: list[LayerWeights]
+
+
+class _Tensors:
+    def __init__(self, tensors: Mapping[str, Matrix], dtype: torch.dtype, offset: float):
+        self.tensors, self.dtype, self.offset = tensors, dtype, offset
+
+    def matrix(self, name: str) -> Matrix:
+        if name not in self.tensors:
+            raise NotImplementedError(f"the backbone has no {name}, which the arch block's recipe needs")
+        return self.tensors[name]
+
+    def vector(self, name: str) -> torch.Tensor:
+        return self.matrix(name).to(self.dtype)
+
+    def norm(self, name: str) -> torch.Tensor:
+        """A norm's weight as it multiplies: w, or 1 + w for zero-centred norms."""
+        return self.offset + self.vector(name)
+
+    def optional(self, name: str, present: bool) -> torch.Tensor | None:
+        return self.vector(name) if present else None
+
+
+def load_weights(recipe: ModelRecipe, names: WeightNames, tensors: Mapping[str, Matrix],
+                 dtype: torch.dtype = torch.float32) -> ModelWeights:
+    """Every tensor the recipe needs, by the family's names.
+
+    Raises:
+        NotImplementedError: a tensor the recipe needs is not in the backbone.
+    """
+    t = _Tensors(tensors, dtype, recipe.norm_offset)
+    embed = t.matrix(names.embed)
+    lm_head = tensors.get(names.lm_head)
+    if lm_head is None:
+        if not recipe.tie_word_embeddings:
+            raise NotImplementedError(f"the backbone has no {names.lm_head} and the embeddings are not tied")
+        lm_head = embed
+    layers = []
+    for i, layer in enumerate(recipe.layers):
+        of = lambda name: names.of(i, name)  # noqa: E731
+        mixer = (_attention(t, of, names.attention, layer.mixer) if isinstance(layer.mixer, Attention)
+                 else _delta_net(t, of, names.delta_net, layer.mixer))
+        ffn = layer.ffn
+        mlp = names.shared_expert if ffn.router else names.dense_mlp
+        gate, up, down = ((t.matrix(of(f"{mlp}{p}_proj.weight")) for p in ("gate", "up", "down"))
+                          if ffn.intermediate else (None, None, None))
+        layers.append(LayerWeights(
+            t.norm(of(names.input_norm)), t.norm(of(names.post_norm)), mixer,
+            FfnWeights(t.matrix(of(names.router)) if ffn.router else None,
+                       t.vector(of(names.router_bias)) if ffn.router and ffn.router.score_bias else None,
+                       gate, up, down, t.matrix(of(names.shared_expert_gate)) if ffn.shared_gate else None)))
+    return ModelWeights(embed, t.norm(names.final_norm), lm_head, layers)
+
+
+def _attention(t: _Tensors, of, prefix: str, att: Attention) -> AttentionWeights:
+    p = lambda name: of(prefix + name)  # noqa: E731
+    norms = att.qk_norm is not QkNorm.NONE
+    # q/k norm weights are zero-centred with the rest (the hybrids' 1 + w)
+    return AttentionWeights(
+        *(t.matrix(p(f"{n}_proj.weight")) for n in "qkvo"),
+        *(t.optional(p(f"{n}_proj.bias"), att.qkv_bias) for n in "qkv"), t.optional(p("o_proj.bias"), att.o_bias),
+        t.norm(p("q_norm.weight")) if norms else None, t.norm(p("k_norm.weight")) if norms else None)
+
+
+def _delta_net(t: _Tensors, of, prefix: str, dn: DeltaNet) -> DeltaNetWeights:
+    p = lambda name: of(prefix + name)  # noqa: E731
+    if dn.fused_projections:
+        qkv, z, b, a = unfuse_qwen3_next(t.matrix(p("in_proj_qkvz.weight")), t.matrix(p("in_proj_ba.weight")),
+                                         dn.key_heads, dn.value_heads, dn.key_dim, dn.value_dim)
+    else:
+        qkv, z, b, a = (t.matrix(p(f"in_proj_{n}.weight")) for n in ("qkv", "z", "b", "a"))
+    if isinstance(qkv, torch.Tensor):  # quantised ones come out of unfuse contiguous
+        qkv, z, b, a = (m.contiguous() for m in (qkv, z, b, a))
+    return DeltaNetWeights(qkv, z, b, a, t.vector(p("conv1d.weight"))[:, 0, :].contiguous(),
+                           -t.vector(p("A_log")).float().exp(), t.vector(p("dt_bias")), t.vector(p("norm.weight")),
+                           t.matrix(p("out_proj.weight")))
+
+
+def unfuse_qwen3_next(qkvz, ba, hk: int, hv: int, dk: int, dv: int):
+    """Qwen3-Next's in_proj_qkvz [Hk*(2dk+2r*dv), H] and in_proj_ba [Hk*2r, H] (grouped per key head:
+    [q_g | k_g | v_g (r heads) | z_g (r heads)] and [b_g (r) | a_g (r)]) as Qwen3.5's qkv, z, b, a rows.
+    A row permutation, so a quantised matrix is un-fused by permuting its codes and row scales alike."""
+    if isinstance(qkvz, QuantizedMatrix):
+        codes = unfuse_qwen3_next(qkvz.codes, ba.codes, hk, hv, dk, dv)
+        scales = unfuse_qwen3_next(qkvz.scales[:, None], ba.scales[:, None], hk, hv, dk, dv)
+        return [QuantizedMatrix(c.contiguous(), s[:, 0].contiguous(), qkvz.fp8) for c, s in zip(codes, scales)]
+    if isinstance(qkvz, Q4Matrix):  # codes and per-32 scales are rows too
+        codes = unfuse_qwen3_next(qkvz.codes, ba.codes, hk, hv, dk, dv)
+        scales = unfuse_qwen3_next(qkvz.scales, ba.scales, hk, hv, dk, dv)
+        return [Q4Matrix(c.contiguous(), s.contiguous(), qkvz.cols) for c, s in zip(codes, scales)]
+    r = hv // hk
+    g = qkvz.view(hk, 2 * dk + 2 * r * dv, -1)
+    q, k, v, z = torch.split(g, [dk, dk, r * dv, r * dv], dim=1)
+    qkv = torch.cat([q.reshape(hk * dk, -1), k.reshape(hk * dk, -1), v.reshape(hv * dv, -1)])
+    bag = ba.view(hk, 2 * r, -1)
+    return qkv, z.reshape(hv * dv, -1), bag[:, :r].reshape(hv, -1), bag[:, r:].reshape(hv, -1)

@@ -1,0 +1,163 @@
+// The native decode step: one token through every layer of any recipe (mosaic_runtime/models/recipe.py) in
+// one call. Per layer: x += mixer(RMSNorm(x)) with an attention or a Gated DeltaNet mixer; h = RMSNorm(x);
+// then the FFN: the router's top-k and the routed experts from the expert ring, a shared expert (optionally
+// gated), or a dense MLP. The torch reference is mosaic_runtime/models/decoder.py.
+#pragma once
+
+#include <cstdint>
+
+#include "mosaic/kernels.h"
+
+namespace mosaic {
+
+class ExpertRing;
+
+// A backbone matrix [rows, cols] as the runtime holds it: bf16 bit patterns; int8 / E4M3 codes with a
+// float32 scale per row (backbone.QuantizedMatrix); or Q4_G32 codes with an f16 scale per 32 (Q4Matrix).
+struct BackboneMatrix {
+  enum Kind : int { Bf16 = 0, Int8 = 1, Fp8 = 2, Q4 = 3 };
+  const void* w = nullptr;
+  const void* scales = nullptr;   // int8 / fp8: float32 per row; q4: f16 per 32 (bits as uint16)
+  Kind kind = Bf16;
+  int rows = 0, cols = 0;         // rows == 0: absent
+};
+
+// The element type of a decode step's KV cache (kv_cache.KVCache): float32, bf16 bit patterns, or int8
+// codes with a float32 scale per (position, KV head) row.
+enum class KvDtype : int { F32 = 0, Bf16 = 1, I8 = 2 };
+
+enum class QkNorm : int { None = 0, Head = 1, Projection = 2 };
+enum class Scoring : int { Softmax = 0, Sigmoid = 1 };
+enum class TopkMethod : int { Greedy = 0, GroupLimited = 1, NoauxTc = 2 };
+
+// Softmax attention over the KV cache (GQA / MQA / MHA).
+struct AttentionMixer {
+  int heads = 0, kv_heads = 0, head_dim = 0, rot_dim = 0;
+  QkNorm qk_norm = QkNorm::None;
+  bool output_gate = false;       // q rows per head: head_dim query values, then head_dim gate values
+  int sliding_window = 0;         // 0: every earlier position; else the last sliding_window, this one included
+  float clip_qkv = 0.f;           // 0: none; else q, k, v clamped to +-clip_qkv after their norms
+  float scale = 1.f;              // softmax scale
+  BackboneMatrix q, k, v, o;
+  const float *q_bias = nullptr, *k_bias = nullptr, *v_bias = nullptr, *o_bias = nullptr;  // null: none
+  const float *q_norm = nullptr, *k_norm = nullptr;  // [head_dim] (Head) or [heads|kv_heads * head_dim] (Projection)
+  int kv_layer = 0;               // this layer's row of the KV run
+};
+
+inline constexpr int kMaxDeltaValueDim = 1024;
+
+// Gated DeltaNet (models/delta_rule.py): a causal depthwise conv, L2-normed q and k, the gated delta rule
+// on a [value_heads, key_dim, value_dim] state, a gated RMSNorm.
+struct DeltaNetMixer {
+  int key_heads = 0, value_heads = 0, key_dim = 0, value_dim = 0, conv_kernel = 0;
+  float eps = 1e-6f;                 // the output norm's
+  BackboneMatrix qkv, z, b, a, out;
+  const float* conv = nullptr;       // [channels, conv_kernel]; column conv_kernel-1 multiplies this token
+  const float* neg_decay = nullptr;  // [value_heads]: -exp(A_log)
+  const float* dt_bias = nullptr;    // [value_heads]
+  const float* norm = nullptr;       // [value_dim]
+  float* conv_state = nullptr;       // [channels, conv_kernel-1]: the last inputs, oldest first
+  float* recurrent = nullptr;        // [value_heads, key_dim, value_dim]
+  int channels() const { return 2 * key_heads * key_dim + value_heads * value_dim; }
+};
+
+struct Router {
+  BackboneMatrix gate;              // [experts, hidden]; rows == 0: no routed experts
+  Scoring scoring = Scoring::Softmax;
+  TopkMethod method = TopkMethod::Greedy;
+  int top_k = 0, n_group = 1, topk_group = 1;
+  bool norm_topk_prob = false;
+  float scaling = 1.f;
+  const float* score_bias = nullptr;  // [experts]: added to the scores to choose, not to weigh
+};
+
+// Routed experts (router.gate set) plus an optional shared expert, or a dense MLP (no router).
+struct Ffn {
+  Router router;
+  BackboneMatrix gate, up, down;    // the shared expert's or the dense MLP's; rows == 0: none
+  BackboneMatrix shared_gate;       // [1, hidden]: the shared expert's output times sigmoid(h . shared_gate)
+};
+
+struct DecodeLayer {
+  int hidden = 0;
+  float eps = 1e-6f;
+  const float *input_norm = nullptr, *post_norm = nullptr;
+  bool delta_net = false;           // which mixer
+  AttentionMixer attention;
+  DeltaNetMixer delta;
+  Ffn ffn;
+};
+
+// Every attention layer's cache rows: K and V [attention layers, kv_heads, rows, head_dim] of dtype, position p
+// at row p; an int8 cache's scales [attention layers, kv_heads, rows]. Strides in elements.
+struct KvRun {
+  KvDtype dtype = KvDtype::F32;
+  void *k = nullptr, *v = nullptr;
+  float *k_scale = nullptr, *v_scale = nullptr;
+  int64_t rows = 0;
+  int64_t k_layer_stride = 0, v_layer_stride = 0, k_head_stride = 0, v_head_stride = 0;
+  int64_t scale_layer_stride = 0, scale_head_stride = 0;
+};
+
+// A decode step's final RMSNorm and lm_head (the logits of the token).
+struct DecodeHead {
+  const float* norm;
+  float eps;
+  BackboneMatrix lm_head;  // [vocab, hidden]
+};
+
+// The routed experts' side of decode_layers: records held in an expert ring.
+struct LoopExperts {
+  RecordLayout layout;
+  QuantType quant;
+  Isa isa;
+  int threads;
+  const ExpertRing* ring;
+  const int32_t* slot_of;  // [layers, n_experts]: the slot whose record is held and checked, else -1
+  int n_experts;
+  float* scratch;          // moe_scratch_floats(layout, top_k, 1, threads)
+};
+
+struct DecodeLayersResult {
+  int stop;         // the layer whose routed experts are left to the caller, or n_layers when done
+  double kernel_s;  // time in the experts' kernel
+};
+
+// Scratch floats one layer's step needs (decode_layers takes the largest over its layers).
+uint64_t decode_layer_scratch_floats(const DecodeLayer& layer);
+// x += the layer's mixer; h = the post-attention norm of x; an MoE layer's top-k into topk_weights /
+// topk_ids; x += its shared expert or dense MLP. Its routed experts are left to the caller.
+void decode_layer(const DecodeLayer& layer, const KvRun& kv, float* x, float* h, int pos, const float* cos,
+                  const float* signed_sin, float* topk_weights, int32_t* topk_ids, float* scratch, int threads,
+                  Isa isa);
+// logits = lm_head(RMSNorm(x)); scratch holds hidden floats.
+void decode_head(const DecodeHead& head, const float* x, float* logits, float* scratch, int threads, Isa isa);
+
+// One decode step from layer `first` on, at position pos (cos / signed_sin: its RoPE tables, rot_dim each).
+// x [hidden] is the residual stream, updated in place; h [hidden] receives each layer's post-attention norm.
+// Each MoE layer's router writes topk_weights / topk_ids [n_layers, top_k] (its row), then its experts are
+// added into x from the ring while their records are held (ascending expert id), and its shared expert.
+// The loop stops at the first MoE layer whose experts it cannot run (experts null, or a record not held):
+// that layer's mixer, shared expert and router are done, h and its top-k are set, and the caller adds its
+// routed experts into x and calls again from the next layer. With a head, the call that finishes the last
+// layer also writes logits [vocab].
+DecodeLayersResult decode_layers(const DecodeLayer* layers, int n_layers, int first, const KvRun& kv,
+                                 const LoopExperts* experts, const DecodeHead* head, float* x, float* h, int pos,
+                                 const float* cos, const float* signed_sin, float* topk_weights, int32_t* topk_ids,
+                                 int top_k_stride, float* logits, float* scratch, int threads, Isa isa);
+
+// y [rows] = W x for one token, whatever W's kind.
+void project(const BackboneMatrix& w, const float* x, float* y, int threads, Isa isa);
+// Several matrices of one x (q, k and v; the DeltaNet's four inputs) in one parallel region, their rows
+// split evenly over the threads.
+void project_together(const BackboneMatrix* const* ws, float* const* ys, int count, const float* x, int threads,
+                      Isa isa);
+// y = w * x / rms(x) over n values (float32; the sum of squares in double).
+void rms_norm(const float* x, const float* w, int n, float eps, float* y);
+
+// The Gated DeltaNet mixer's step (decode_delta.cpp): out [hidden] = the mixer's output for normed input h;
+// its conv window and recurrent state move on by this token.
+void delta_net_step(const DeltaNetMixer& m, const float* h, float* out, float* scratch, int threads, Isa isa);
+uint64_t delta_net_scratch_floats(const DeltaNetMixer& m);
+
+}  // namespace mosaic
