@@ -12,7 +12,6 @@ each in a fresh process whose peak RSS is reported beside probe's bound.
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import subprocess
@@ -20,48 +19,14 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 CHUNK = 4 << 20  # 4 MiB direct reads: FACTS.md §3 puts this disk at 2-3 GiB/s with them
-GEOMETRY = dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-                num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=8192,
-                intermediate_size=6144)
-
-
 def build_checkpoint(path: Path, layers: int) -> Path:
-    if (path / "config.json").exists():
-        return path
-    path.mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, str(ROOT / "tests"))
-    from builders import qwen3_moe_tensors
-    cfg = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": layers,
-           "rms_norm_eps": 1e-6, "rope_theta": 1e6, "norm_topk_prob": True, "tie_word_embeddings": False,
-           "torch_dtype": "bfloat16", "max_position_embeddings": 4096, **GEOMETRY}
-    g = torch.Generator().manual_seed(0)
-    shard, size, n, weight_map = {}, 0, 0, {}
-
-    def flush():
-        nonlocal shard, size, n
-        name = f"model-{n + 1:05d}.safetensors"
-        save_file(shard, path / name, metadata={"format": "pt"})
-        weight_map.update({k: name for k in shard})
-        shard, size, n = {}, 0, n + 1
-
-    for name, _, shape in qwen3_moe_tensors(cfg, fp8=False):
-        t = (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16) if len(shape) > 1 else \
-            torch.ones(*shape, dtype=torch.bfloat16)
-        shard[name] = t
-        size += t.numel() * 2
-        if size >= 1 << 30:
-            flush()
-    if shard:
-        flush()
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (path / "config.json").write_text(json.dumps(cfg, indent=2))
-    return path
+    """A bf16 checkpoint with Qwen3-30B-A3B's per-layer geometry (benchmarks/geometries.py), built once."""
+    from benchmarks.geometries import build
+    return build("qwen3-30b-a3b", path, layers)
 
 
 def drop_caches() -> bool:

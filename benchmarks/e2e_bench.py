@@ -28,7 +28,7 @@ def worker(model: str, io: str, ram_budget: int | None, tokens: int, backbone: s
     import resource
 
     from mosaic_runtime.engine import Engine
-    engine = Engine.open(model, ram_budget=ram_budget, io=io, max_seq=256, backbone=backbone)
+    engine = Engine.open(model, ram_budget=ram_budget, io=io, max_seq=256, precision="exact", backbone=backbone)
     out = list(engine.generate_ids(PROMPT, max_new_tokens=tokens))
     s = engine.stats
     rec = engine.vault.header.record_bytes

@@ -53,21 +53,21 @@ def build(root: Path, layers: int, experts: int) -> Path:
 def fill(engine, length: int, prefill_max: int, gen: torch.Generator) -> float | None:
     """Bring the model's state to `length` tokens; prefill tok/s when it was prefilled for real."""
     model = engine.model
-    model.kv.reset()
+    model.state.reset()
     if length <= prefill_max:
         ids = torch.randint(0, 8192, (length,), generator=gen)
         t = time.perf_counter()
         for start in range(0, length, PREFILL_CHUNK):
             model.forward(ids[start:start + PREFILL_CHUNK], start)
         return length / (time.perf_counter() - t)
-    kv = model.kv.kv
+    kv = model.state.kv
     heads, dim = kv.k.shape[1], kv.k.shape[4]
     for layer in range(kv.k.shape[0]):
         kv.store(layer, 0, torch.randn(length, heads, dim, generator=gen) * 0.1,
                  torch.randn(length, heads, dim, generator=gen))
-    model.kv.conv.normal_(generator=gen)
-    model.kv.recurrent.normal_(generator=gen).mul_(0.01)
-    model.kv.length = length
+    model.state.conv.normal_(generator=gen)
+    model.state.recurrent.normal_(generator=gen).mul_(0.01)
+    model.state.length = length
     return None
 
 
@@ -95,7 +95,7 @@ def main() -> None:
     def step(length: int) -> float:
         model = engines[length].model
         t = time.perf_counter()
-        logits = model.forward(tokens[length], model.kv.length)
+        logits = model.forward(tokens[length], model.state.length)
         elapsed = time.perf_counter() - t
         tokens[length] = logits[-1:].argmax(-1)
         return elapsed
@@ -108,17 +108,17 @@ def main() -> None:
             times[length].append(step(length))
     base = 1 / statistics.median(times[LENGTHS[0]])
     some = engines[LENGTHS[0]]
-    page_bytes = some.model.kv.kv.page_bytes
+    page_bytes = some.model.state.kv.page_bytes
     print(f"{args.layers} layers ({some.arch['layer_types'].count('linear_attention')} DeltaNet, "
           f"{some.arch['layer_types'].count('full_attention')} full attention), {args.experts} experts, "
-          f"KV cache {args.kv}, DeltaNet state {some.model.kv.state_bytes / 2**20:.1f} MiB (constant), "
+          f"KV cache {args.kv}, DeltaNet state {some.model.state.state_bytes / 2**20:.1f} MiB (constant), "
           f"{args.steps} steps per length, interleaved one by one\n")
     print("| context tokens | decode tok/s | vs 100 tokens | prefill tok/s | KV cache in use |")
     print("|---|---|---|---|---|")
     for length in LENGTHS:
         tps = 1 / statistics.median(times[length])
         pf = f"{prefills[length]:.1f}" if prefills[length] else "(filled, not timed)"
-        kv_bytes = engines[length].model.kv.kv.pages_in_use * page_bytes
+        kv_bytes = engines[length].model.state.kv.pages_in_use * page_bytes
         print(f"| {length:,} | {tps:.2f} | {tps / base:.2f} | {pf} | {kv_bytes / 2**20:.1f} MiB |")
 
 

@@ -2,17 +2,20 @@
 cache is dropped, the engines interleaved (A B A B ...) because this VM's bandwidth drifts (FACTS.md §3).
 
     pip install -e '.[peer]'        # llama-cpp-python: builds llama.cpp from source (~25 min on 2 cores)
-    python benchmarks/peer_bench.py [--cases a,b,c] [--rounds 2] [--prompt 128] [--tokens 32]
+    python benchmarks/peer_bench.py [--cases a,b,c,q35,glm] [--rounds 2] [--prompt 128] [--tokens 32]
 
-Cases:
-  (a) a random-weight Qwen3-MoE with Qwen3-30B-A3B's per-layer geometry, 8 layers, in RAM;
+Cases (the random-weight models have a real model's per-layer geometry and 8 layers, benchmarks/geometries.py):
+  (a) Qwen3-30B-A3B's geometry, in RAM;
   (b) the same under a cgroup v1 memory limit of half the Q4_0 GGUF's size (RAM and page cache together);
-  (c) the bundled model, examples/stdlib-moe.
+  (c) the bundled model, examples/stdlib-moe;
+  (q35) Qwen3.5-35B-A3B's geometry (6 Gated DeltaNet and 2 gated-attention layers), in RAM;
+  (glm) GLM-4.5-Air's geometry (a dense first layer, 32 of its 128 experts a layer), in RAM.
 The GGUF comes from llama.cpp's own converter (convert_hf_to_gguf.py, in the llama-cpp-python source
 distribution, fetched with `pip download` if --llama-src is not given) at bf16, then llama.cpp's quantiser
 to Q4_0. The converter refuses tokenizers whose pre-tokenizer it does not know by hash; these checkpoints'
-byte-level BPE is declared "qwen2". Both engines are fed the same token ids, so llama.cpp's tokenizer
-never runs.
+byte-level BPE is declared "qwen2", and GLM's own vocabulary set-up (which wants GLM's special tokens) is
+replaced by the plain BPE one. A Qwen3.5 checkpoint without MTP layers is converted with --no-mtp. Both
+engines are fed the same token ids, so llama.cpp's tokenizer never runs.
 
 Decode feeds both engines the same fixed tokens rather than each one's own greedy choice: a random-weight
 model repeats one token greedily, which would route every step to the same experts and make the memory
@@ -25,6 +28,7 @@ decode tok/s, the weight bytes a decoded token must read, and that divided by th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -38,16 +42,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.convert_bench import build_checkpoint, drop_caches  # noqa: E402
+from benchmarks.convert_bench import drop_caches  # noqa: E402
+from benchmarks.geometries import build  # noqa: E402
 from benchmarks.memlimit import run_worker  # noqa: E402
 
 DATA = ROOT / "bench-data"
 BUNDLED = ROOT / "examples" / "stdlib-moe"
 MOSAIC_CONFIGS = {  # name -> Engine.open settings
-    "mosaic default": dict(kernel="native", backbone="bf16"),
-    "mosaic int8": dict(kernel="native-int8", backbone="int8"),
-    "mosaic q4": dict(kernel="native-int8", backbone="q4"),
+    "mosaic default": dict(),
+    "mosaic exact": dict(precision="exact"),
+    "mosaic q4 backbone": dict(backbone="q4"),
 }
+GEOMETRY_CASES = {"a": "qwen3-30b-a3b", "b": "qwen3-30b-a3b", "q35": "qwen3.5-35b-a3b", "glm": "glm-4.5-air"}
 LLAMA_CONFIGS = {"llama.cpp Q4_0": True, "llama.cpp Q4_0 no-repack": False}  # name -> weight repacking
 ENGINE_BYTES = 850 << 20  # case (b): what Mosaic needs besides its ring (backbone, torch, KV cache)
 
@@ -55,11 +61,11 @@ ENGINE_BYTES = 850 << 20  # case (b): what Mosaic needs besides its ring (backbo
 # ---------------------------------------------------------------------------------------------- workers
 
 def mosaic_worker(model: str, prompt: list[int], decode: list[int], threads: int, ram_budget: int | None,
-                  kernel: str, backbone: str) -> dict:
+                  **settings) -> dict:
     t0 = time.perf_counter()
     from mosaic_runtime.engine import Engine
     engine = Engine.open(model, ram_budget=ram_budget, threads=threads, max_seq=len(prompt) + len(decode) + 8,
-                         kernel=kernel, backbone=backbone)
+                         **settings)
     # In RAM (the ring holds the vault): every record is read before the prompt, counted in the cold TTFT,
     # as llama.cpp's prefill faults in its mapped weights. Under a memory limit this does nothing.
     engine.finish_preload()
@@ -82,16 +88,18 @@ def mosaic_worker(model: str, prompt: list[int], decode: list[int], threads: int
 def mosaic_token_bytes(engine) -> int:
     """Weight bytes one decoded token reads: every backbone matrix but the embedding (a lookup), and the
     top-k experts' records of each MoE layer."""
+    import torch
+
     def nbytes(w) -> int:
-        if w is None or isinstance(w, tuple):
-            return sum(nbytes(x) for x in w or ())
-        if hasattr(w, "codes"):
+        if isinstance(w, (list, tuple)):
+            return sum(nbytes(x) for x in w)
+        if dataclasses.is_dataclass(w) and not hasattr(w, "codes"):
+            return sum(nbytes(getattr(w, f.name)) for f in dataclasses.fields(w))
+        if hasattr(w, "codes"):  # a matrix quantised at load
             return w.codes.nbytes + w.scales.nbytes
-        return w.nbytes if w.dim() == 2 else 0
-    model = engine.model
-    total = nbytes(model.lm_head)
-    for layer in model.layers:
-        total += sum(nbytes(getattr(layer, f)) for f in layer.__dataclass_fields__)
+        return w.nbytes if isinstance(w, torch.Tensor) and w.dim() == 2 else 0
+    weights = engine.model.weights
+    total = nbytes(weights.lm_head) + nbytes(weights.layers)
     moe = len(engine.vault.moe_layers)
     return total + moe * engine.arch["num_experts_per_tok"] * engine.vault.layout.payload_bytes
 
@@ -167,12 +175,17 @@ def llama_source(given: str | None) -> Path:
 
 
 def convert_worker(src: str, ckpt: str, out: str) -> None:
-    """llama.cpp's convert_hf_to_gguf.py at bf16, declaring the tokenizer's pre-tokenizer as qwen2."""
+    """llama.cpp's convert_hf_to_gguf.py at bf16, declaring the tokenizer's pre-tokenizer as qwen2 (and
+    GLM's vocabulary as plain BPE); a checkpoint without MTP layers converted with --no-mtp."""
     sys.path[:0] = [src, str(Path(src) / "gguf-py")]
     import conversion.base
+    import conversion.glm
     conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+    conversion.glm.Glm4MoeModel.set_vocab = conversion.base.TextModel._set_vocab_gpt2
     import convert_hf_to_gguf
-    sys.argv = ["convert_hf_to_gguf.py", ckpt, "--outtype", "bf16", "--outfile", out]
+    cfg = json.loads((Path(ckpt) / "config.json").read_text())
+    no_mtp = ["--no-mtp"] if cfg["model_type"] in ("qwen3_5_moe", "glm4_moe") else []
+    sys.argv = ["convert_hf_to_gguf.py", ckpt, "--outtype", "bf16", "--outfile", out, *no_mtp]
     convert_hf_to_gguf.main()
 
 
@@ -204,10 +217,10 @@ def make_vault(ckpt: Path, name: str) -> Path:
     return out
 
 
-def random_checkpoint() -> Path:
-    """The 8-layer Qwen3-30B-geometry model of benchmarks/e2e_bench.py, with the bundled tokenizer beside it
+def random_checkpoint(geometry: str) -> Path:
+    """An 8-layer model of that geometry (benchmarks/geometries.py), with the bundled tokenizer beside it
     (llama.cpp's converter needs one; token ids above its 4,096 become padding tokens in the GGUF)."""
-    ckpt = build_checkpoint(DATA / "qwen3-30b-geometry-8l", 8)
+    ckpt = build(geometry, DATA / f"{geometry}-8l", 8)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         if not (ckpt / f).exists():
             shutil.copy(BUNDLED / f, ckpt / f)
@@ -250,11 +263,13 @@ def main() -> None:
 
     src = llama_source(args.llama_src)
     models = {}
-    if {"a", "b"} & set(args.cases.split(",")):
-        ckpt = random_checkpoint()
-        models["a"] = models["b"] = (make_vault(ckpt, "qwen3-30b-geometry-8l"), make_gguf(ckpt, "qwen3-30b-geometry-8l", src))
-    if "c" in args.cases.split(","):
-        models["c"] = (make_vault(BUNDLED, "stdlib-moe"), make_gguf(BUNDLED, "stdlib-moe", src))
+    for case in args.cases.split(","):
+        if case == "c":
+            models["c"] = (make_vault(BUNDLED, "stdlib-moe"), make_gguf(BUNDLED, "stdlib-moe", src))
+        else:
+            geometry = GEOMETRY_CASES[case]
+            ckpt = random_checkpoint(geometry)
+            models[case] = (make_vault(ckpt, f"{geometry}-8l"), make_gguf(ckpt, f"{geometry}-8l", src))
     print(f"llama-cpp-python {importlib.metadata.version('llama-cpp-python')}; threads {args.threads}; "
           f"prompt {args.prompt} tokens, {args.tokens} decoded; page cache dropped before each run")
     print("| case | engine | cold TTFT s | prefill tok/s | decode tok/s | decode vs llama.cpp Q4_0 | "

@@ -1,6 +1,7 @@
 """Held-out perplexity of the bundled model: the transformers model (bf16 weights, float32 compute)
-against Mosaic on its FP8 and Q4 vaults, on the same windows of held-out standard-library text, with
-top-1 agreement against transformers.
+against Mosaic on its FP8 and Q4 vaults, exact and at the fast default (and each fast setting alone), on the
+same windows of held-out standard-library text, with top-1 agreement against transformers and against
+Mosaic's exact Q4 run.
 
     python benchmarks/quality_bench.py [--model examples/stdlib-moe] [--windows 40]
 """
@@ -60,23 +61,35 @@ def main() -> None:
     ref = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     with torch.inference_mode():
         ppl_ref, top_ref = score(lambda w: ref(torch.tensor([w])).logits[0].float(), wins)
-    rows = [("transformers, bf16 weights, float32 compute", ppl_ref, 1.0)]
+    def agreement(a, b) -> float:
+        return sum((x == y).sum().item() for x, y in zip(a, b)) / sum(len(t) for t in a)
+
+    rows = [("transformers, bf16 weights, float32 compute", ppl_ref, 1.0, None)]
+    exact_tops = None
     with tempfile.TemporaryDirectory() as tmp:
-        for quant, kernel, backbone in (("fp8", "native", "bf16"), ("q4", "native", "bf16"),
-                                        ("q4", "native-int8", "bf16"), ("q4", "native", "int8"),
-                                        ("q4", "native", "fp8"), ("q4", "native", "q4")):
+        for quant, settings in (("fp8", dict(precision="exact")), ("q4", dict(precision="exact")),
+                                ("q4", dict()),  # the default: precision="fast"
+                                ("q4", dict(precision="exact", kernel="native-int8")),
+                                ("q4", dict(precision="exact", backbone="int8")),
+                                ("q4", dict(precision="exact", backbone="fp8")),
+                                ("q4", dict(backbone="q4"))):
             out = Path(tmp) / quant
             if not out.exists():
                 convert(str(args.model), out, quant, progress=False)
-            with Engine.open(out, max_seq=SEQ, kernel=kernel, backbone=backbone) as engine:
+            with Engine.open(out, max_seq=SEQ, **settings) as engine:
                 ppl, tops = score(engine.logits, wins)
-            agree = sum((a == b).sum().item() for a, b in zip(tops, top_ref)) / sum(len(t) for t in tops)
-            rows.append((f"Mosaic {quant.upper()} vault, kernel={kernel}, backbone={backbone}", ppl, agree))
+                how = ", ".join(f"{k}={v}" for k, v in engine.settings.items() if k != "kv_dtype")
+            if quant == "q4" and settings == dict(precision="exact"):
+                exact_tops = tops
+            rows.append((f"Mosaic {quant.upper()} vault, {how}" + (" (the default)" if not settings else ""), ppl,
+                         agreement(tops, top_ref), agreement(tops, exact_tops) if exact_tops else None))
     print(f"{len(wins)} held-out windows of {SEQ} tokens ({len(wins) * (SEQ - 1):,} predictions)\n")
-    print("| model | held-out perplexity | vs transformers | top-1 agreement with transformers |")
-    print("|---|---|---|---|")
-    for name, ppl, agree in rows:
-        print(f"| {name} | {ppl:.3f} | {ppl / ppl_ref - 1:+.2%} | {agree:.4f} |")
+    print("| model | held-out perplexity | vs transformers | top-1 agreement with transformers | "
+          "with Mosaic Q4 exact |")
+    print("|---|---|---|---|---|")
+    for name, ppl, agree, agree_exact in rows:
+        print(f"| {name} | {ppl:.3f} | {ppl / ppl_ref - 1:+.2%} | {agree:.4f} | "
+              f"{'-' if agree_exact is None else f'{agree_exact:.4f}'} |")
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ def bundled_trace(model: Path, windows: int = 40, seq: int = 256) -> Trace:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = convert(str(model), Path(tmp) / "q4", "q4", progress=False).out
-        engine = Engine.open(out, max_seq=seq)
+        engine = Engine.open(out, max_seq=seq, precision="exact")
         docs = [d for rel, text in stdlib_files() if held_out(rel) for d in [text] + chat_turns(rel, text)]
         ids = [i for d in docs for i in engine.codec.encode(d)]
         recorder = Recorder(engine.model.experts)

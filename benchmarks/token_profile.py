@@ -1,6 +1,6 @@
 """Where a decoded token's time goes, against the bytes it must read divided by the same-run bandwidth.
 
-    python benchmarks/token_profile.py [--model bench-data/e2e-8l-q4] [--kernel native-int8] [--backbone int8]
+    python benchmarks/token_profile.py [--model bench-data/e2e-8l-q4] [--precision exact] [--backbone q4]
 
 Times every leaf step of the token loop (projections by kind, norms, rotary, attention, KV store, router,
 the expert executor split into native kernel, read wait and its Python side) by wrapping them, and reports
@@ -26,8 +26,9 @@ from benchmarks.peer_bench import bandwidth, mosaic_token_bytes, token_stream  #
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(ROOT / "bench-data" / "e2e-8l-q4"))
-    ap.add_argument("--kernel", default="native")
-    ap.add_argument("--backbone", default="bf16")
+    ap.add_argument("--precision", default="fast", choices=["fast", "exact"])
+    ap.add_argument("--kernel", help="override the precision's expert kernel")
+    ap.add_argument("--backbone", help="override the precision's backbone")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--warm", type=int, default=96, help="tokens decoded before the timed ones")
     ap.add_argument("--threads", type=int)
@@ -37,15 +38,17 @@ def main() -> None:
     import torch
 
     from mosaic_runtime.engine import Engine
-    engine = Engine.open(args.model, kernel=args.kernel, backbone=args.backbone, threads=args.threads, max_seq=512)
+    from mosaic_runtime.experts import ExpertExecutor
+    from mosaic_runtime.models import decoder as module
+    engine = Engine.open(args.model, precision=args.precision, kernel=args.kernel, backbone=args.backbone,
+                         threads=args.threads, max_seq=512)
     engine.finish_preload()  # a steady state: the fill's page faults and reads are not a token's cost
     model = engine.model
-    module = sys.modules[type(model).__module__]
     spent: dict[str, float] = defaultdict(float)
-    kinds = {id(model.lm_head): "lm_head"}
-    for layer in model.layers:
-        if getattr(layer, "router", None) is not None:
-            kinds[id(layer.router)] = "router"
+    kinds = {id(model.weights.lm_head): "lm_head"}
+    for layer in model.weights.layers:
+        if layer.ffn.router is not None:
+            kinds[id(layer.ffn.router)] = "router"
 
     def timed(name_of, fn):
         def wrapper(*a, **kw):
@@ -59,13 +62,19 @@ def main() -> None:
     module.linear = timed(lambda x, w: kinds.get(id(w), "projections"), module.linear)
     module.rms_norm = timed(lambda *a: "norms", module.rms_norm)
     module.cached_attention = timed(lambda *a: "attention", module.cached_attention)
-    if hasattr(module, "swiglu"):
-        module.swiglu = timed(lambda *a: "projections", module.swiglu)
-    model.route = timed(lambda *a: "router", model.route)
-    model.rotary.apply = timed(lambda *a: "rotary", model.rotary.apply)
-    model.kv.store = timed(lambda *a: "kv store", model.kv.store)
-    if getattr(model, "native_layers", None) is not None:  # the native layer loop (decode_token.cpp)
-        module.decode_layers = timed(lambda *a: "native layer loop", module.decode_layers)
+    module.swiglu = timed(lambda *a: "projections", module.swiglu)
+    module.route = timed(lambda *a: "router", module.route)
+    if model.rotary is not None:
+        model.rotary.apply = timed(lambda *a: "rotary", model.rotary.apply)
+    if model.state.kv is not None:
+        model.state.kv.store = timed(lambda *a: "kv store", model.state.kv.store)
+    if model.native is not None:  # the native decode step (decode_token.cpp)
+        step = model.native.step_fn
+
+        class TimedStep:
+            run = staticmethod(timed(lambda *a: "native layer loop", step.run))
+            top_k, vocab = step.top_k, step.vocab
+        model.native.step_fn = TimedStep()
         if args.torch_path:
             model.use_native_decode = False
     experts = model.experts
@@ -75,16 +84,15 @@ def main() -> None:
         loop_kernel[0] += kernel_s
         experts.ran_natively(layers, ids, kernel_s)
 
-    class TimedExperts:  # the engine also reads the executor's counters (kernel_s)
+    class TimedExperts(ExpertExecutor):  # the engine also reads the executor's counters (kernel_s)
         __call__ = staticmethod(timed(lambda *a: "experts", experts))
-        if hasattr(experts, "add_decode"):  # the native decode step's way in, layer by layer
-            add_decode = staticmethod(timed(lambda *a: "experts", experts.add_decode))
-        if hasattr(experts, "native_loop"):
-            native_loop = staticmethod(experts.native_loop)
-            ran_natively = staticmethod(timed(lambda *a: "experts", loop_ran))
+        add_decode = staticmethod(timed(lambda *a: "experts", experts.add_decode))  # layers the step hands back
+        native_loop = staticmethod(experts.native_loop)
+        ran_natively = staticmethod(timed(lambda *a: "experts", loop_ran))
 
-        def __getattr__(self, name):
-            return getattr(experts, name)
+        @property
+        def kernel_s(self):
+            return experts.kernel_s
 
     model.experts = TimedExperts()
 
@@ -118,7 +126,7 @@ def main() -> None:
     rows.append(("glue (embedding, residuals, loop)", total - sum(per.values())))
     bw = bandwidth(args.threads or os.cpu_count() or 1)
     need = mosaic_token_bytes(engine)
-    print(f"{args.model}: kernel={args.kernel} backbone={args.backbone}; {args.tokens} decoded tokens")
+    print(f"{args.model}: {', '.join(f'{k} {v}' for k, v in engine.settings.items())}; {args.tokens} decoded tokens")
     print("| step | ms per token | share |")
     print("|---|---|---|")
     for k, v in sorted(rows, key=lambda r: -r[1]):

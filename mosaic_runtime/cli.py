@@ -43,7 +43,8 @@ def format_stats(engine) -> str:
     s = engine.stats
     layers = ", ".join(f"{layer}: {s.hits[layer]}/{s.misses[layer]}" for layer in s.hits)
     ring = f"ring {engine.store.ring.n_slots} of {engine.vault.header.num_records} experts, " if engine.store else ""
-    return (f"last answer: {s.prompt_tokens} prompt tokens prefilled, {s.new_tokens} generated, "
+    how = ", ".join(f"{k} {v}" for k, v in engine.settings.items())
+    return (f"{how}\nlast answer: {s.prompt_tokens} prompt tokens prefilled, {s.new_tokens} generated, "
             f"TTFT {s.ttft_s * 1e3:.0f} ms, {s.tok_per_s:.1f} tok/s\n"
             f"{ring}hit rate {s.hit_rate:.2f}, {s.bytes_read / 2**20:.1f} MiB read since start; "
             f"time in I/O wait {s.io_s:.2f} s, expert kernel {s.kernel_s:.2f} s, backbone {s.backbone_s:.2f} s\n"
@@ -82,9 +83,20 @@ def main() -> None:
 @click.option("--io", type=click.Choice(["direct", "buffered"]), help="expert reads (default: buffered)")
 @click.option("--max-seq", type=int, default=4096, show_default=True, help="longest conversation, in tokens")
 @click.option("--seed", type=int, default=None, help="seed for sampling")
-@click.option("--backbone", type=click.Choice(["bf16", "int8", "fp8", "q4"]), default="bf16", show_default=True,
-              help="backbone precision: as stored, or its projections quantised at load (faster, inexact)")
-def chat(model, system, temperature, top_p, max_tokens, ram_budget, io, max_seq, seed, backbone) -> None:
+@click.option("--exact", is_flag=True,
+              help="float kernels on the backbone as stored (the reference) instead of the fast default: int8 "
+                   "activations for Q4 experts where the CPU has AVX-512 VNNI, an int8 backbone")
+@click.option("--backbone", type=click.Choice(["bf16", "int8", "fp8", "q4"]),
+              help="backbone precision (default: int8, or bf16 with --exact): as stored, or its projections "
+                   "quantised at load")
+@click.option("--kernel", type=click.Choice(["native", "native-int8", "torch"]),
+              help="expert kernel (default: native-int8 where the CPU has AVX-512 VNNI, else native; native with "
+                   "--exact); torch is the slow reference")
+@click.option("--kv-dtype", type=click.Choice(["float32", "bfloat16", "int8"]), default="float32", show_default=True,
+              help="what the KV cache holds: bfloat16 and int8 take a half and a quarter of the memory")
+@click.option("--threads", type=int, help="threads for the kernels (default: every core)")
+def chat(model, system, temperature, top_p, max_tokens, ram_budget, io, max_seq, seed, exact, backbone, kernel,
+         kv_dtype, threads) -> None:
     """Chat with a model directory written by `mosaic-shatter convert`."""
     from .chat import Conversation
     from .engine import Engine
@@ -95,8 +107,9 @@ def chat(model, system, temperature, top_p, max_tokens, ram_budget, io, max_seq,
         click.echo(f"mosaic: {why}", err=True)
         sys.exit(2)
     try:
-        engine = Engine.open(model, ram_budget=parse_size(ram_budget), io=io, max_seq=max_seq, backbone=backbone,
-                             verbose=True)
+        engine = Engine.open(model, ram_budget=parse_size(ram_budget), io=io, threads=threads, max_seq=max_seq,
+                             precision="exact" if exact else "fast", kernel=kernel, backbone=backbone,
+                             kv_dtype=kv_dtype, verbose=True)
         conversation = Conversation(engine, system)
     except (VaultError, ValueError, NotImplementedError) as e:
         click.echo(f"mosaic: {e}", err=True)

@@ -121,9 +121,11 @@ def precision_settings(precision: str, kernel: str | None, backbone: str | None,
 
 
 class Engine:
-    def __init__(self, directory: Path, vault, store, model, codec: TextCodec | None, device=None):
+    def __init__(self, directory: Path, vault, store, model, codec: TextCodec | None, device=None,
+                 settings: dict | None = None):
         self.directory, self.vault, self.store, self.model, self.codec = directory, vault, store, model, codec
         self.device = device  # where the backbone runs: None for the CPU, else a CUDA device
+        self.settings = settings or {}  # how it computes: precision, kernel, backbone, kv_dtype
         self.stats = Stats()
         self._io_mark = self._kernel_mark = 0.0
 
@@ -218,7 +220,8 @@ class Engine:
         # On CUDA the model's own tensors (RoPE tables, KV pool, recurrent state) are made on the device.
         with torch.device(dev) if on_cuda else contextlib.nullcontext():
             model = build_model(recipe, weights, experts, max_seq, kv_torch_dtype)
-        engine = cls(directory, vault, store, model, None, dev if on_cuda else None)
+        engine = cls(directory, vault, store, model, None, dev if on_cuda else None,
+                     dict(precision=precision, kernel=kernel, backbone=backbone, kv_dtype=kv_dtype))
         if store is not None and preload:  # after the backbone has loaded: not competing with its read
             store.preload()
         if (directory / "tokenizer.json").is_file():

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from builders import add_chat_tokenizer, random_qwen3_moe
+from mosaic_runtime import _native
 from mosaic_runtime.chat import Conversation
 from mosaic_runtime.engine import Engine
 from mosaic_shatter.convert import convert
@@ -61,6 +62,20 @@ def test_pipe_answers_each_line_and_keeps_the_cache_across_turns(dirs):
     assert after_reset == first  # after /reset the cache is empty again: the whole first prompt
     assert lines[0] == answer1 and lines.count(answer1) == 2  # greedy: the first answer comes again
     assert "never read" not in res.stdout
+
+
+@pytest.mark.parametrize("flags, want", [
+    ([], "precision fast, kernel {fast}, backbone int8, kv_dtype float32"),
+    (["--exact"], "precision exact, kernel native, backbone bf16, kv_dtype float32"),
+    (["--exact", "--backbone", "q4", "--kv-dtype", "int8", "--kernel", "torch"],
+     "precision exact, kernel torch, backbone q4, kv_dtype int8"),
+])
+def test_precision_options_reach_the_engine(dirs, flags, want):
+    _, model = dirs
+    vnni = _native.kernels.isa_available(_native.kernels.AVX512_VNNI)
+    res = subprocess.run([*CHAT, str(model), *flags], input="/stats\n", capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert want.format(fast="native-int8" if vnni else "native") in res.stdout
 
 
 def test_a_checkpoint_directory_gets_the_convert_command(dirs):

@@ -3,7 +3,6 @@ decode_token.cpp: the layer loop, experts included) against the torch path it re
 precision, dense and MoE layers, and a cache whose pages are out of order (which falls back to the torch
 path). tests/test_families.py holds every family's recipe to the same."""
 
-import numpy as np
 import pytest
 import torch
 
@@ -124,7 +123,6 @@ def test_layer_loop_refuses_a_slot_table_past_the_ring(model_dir):
     """The native step trusts slot_table's slots to hold records: one past the ring is refused, not read."""
     with Engine.open(model_dir, max_seq=64) as engine:
         model = engine.model
-        loop = model.experts.native_loop(model.recipe.top_k)
         engine.store.slot_table[0, 0] = engine.store.ring.n_slots
         with pytest.raises(ValueError, match="slot out of range"):
             model.native.step(5, 0)

@@ -22,7 +22,7 @@ def test_cuda_tier_gives_the_cpu_tokens(model_dir, reference, share, policy):
     with open_vault(model_dir) as vault:
         budget = int(share * vault.header.num_records) * vault.header.record_bytes
     with Engine.open(model_dir, max_seq=64, device="cuda", vram_budget=budget, tier_policy=policy) as engine:
-        assert engine.model.state.kv.k.is_cuda and engine.model.embed.is_cuda
+        assert engine.model.state.kv.k.is_cuda and engine.model.weights.embed.is_cuda
         assert engine.store.ring._pinned
         tokens, logits = decode(engine)
         assert tokens == reference[0]

@@ -11,7 +11,7 @@ namespace mosaic {
 // --- constants (vault_format.md §2) -------------------------------------------------------------
 inline constexpr char kVaultMagic[8] = {'M', 'O', 'S', 'A', 'I', 'C', 'V', '\0'};  // 8 bytes at 0
 inline constexpr uint16_t kVersionMajor = 1;
-inline constexpr uint16_t kVersionMinor = 0;
+inline constexpr uint16_t kVersionMinor = 1;
 inline constexpr uint32_t kHeaderSize = 128;
 inline constexpr uint32_t kPageSize = 16384;     // records start on and span whole 16 KiB pages
 inline constexpr uint32_t kPlaneAlign = 64;      // planes inside a record start on a cache line
@@ -30,7 +30,7 @@ enum class Projection : uint32_t { Gate = 0, Up = 1, Down = 2 };  // record orde
 struct VaultHeaderV1 {
   char magic[8];            // "MOSAICV\0"
   uint16_t version_major;   // 1
-  uint16_t version_minor;   // 0
+  uint16_t version_minor;   // 1
   uint32_t header_size;     // 128
   uint32_t page_size;       // 16384
   uint32_t quant_type;      // QuantType
