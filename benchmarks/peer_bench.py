@@ -206,6 +206,7 @@ def make_gguf(ckpt: Path, name: str, src: Path) -> Path:
     if L.llama_model_quantize(str(bf16).encode(), str(tmp).encode(), params) != 0:
         raise RuntimeError("llama_model_quantize failed")
     tmp.rename(q4)
+    bf16.unlink()  # as large as the checkpoint: disks here hold a few of them at most
     return q4
 
 

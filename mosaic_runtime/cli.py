@@ -84,11 +84,11 @@ def main() -> None:
 @click.option("--max-seq", type=int, default=4096, show_default=True, help="longest conversation, in tokens")
 @click.option("--seed", type=int, default=None, help="seed for sampling")
 @click.option("--exact", is_flag=True,
-              help="float kernels on the backbone as stored (the reference) instead of the fast default: int8 "
-                   "activations for Q4 experts where the CPU has AVX-512 VNNI, an int8 backbone")
+              help="float kernels on the backbone as stored (the reference) instead of the fast default: Q4 experts "
+                   "and a Q4 backbone against int8 activations where the CPU has AVX-512 VNNI")
 @click.option("--backbone", type=click.Choice(["bf16", "int8", "fp8", "q4"]),
-              help="backbone precision (default: int8, or bf16 with --exact): as stored, or its projections "
-                   "quantised at load")
+              help="backbone precision (default: q4 with AVX-512 VNNI, else int8; bf16 with --exact): as stored, or "
+                   "its projections quantised at load")
 @click.option("--kernel", type=click.Choice(["native", "native-int8", "torch"]),
               help="expert kernel (default: native-int8 where the CPU has AVX-512 VNNI, else native; native with "
                    "--exact); torch is the slow reference")

@@ -105,18 +105,20 @@ def precision_settings(precision: str, kernel: str | None, backbone: str | None,
                        ) -> tuple[str, str]:
     """(kernel, backbone) for a precision, with what the caller gave explicitly taking precedence.
 
-    "fast" takes the float expert kernel on a CPU without AVX-512 VNNI, and with a device tier: there an
-    expert runs on either side depending on what the device holds, and both sides must compute the same
-    function for the tokens not to depend on the VRAM budget. On CUDA the backbone stays as stored (VRAM
-    holds it; its projections are not what limits a token there)."""
+    "fast" is Q4 experts and a Q4 backbone (lm_head int8) against int8 activations: the arithmetic of
+    llama.cpp's Q4_0. Without AVX-512 VNNI it takes the float expert kernel and an int8 backbone (the float
+    Q4 loop would be slower than int8's bytes). With a device tier the expert kernel stays float: an expert
+    runs on either side depending on what the device holds, and both sides must compute the same function
+    for the tokens not to depend on the VRAM budget. On CUDA the backbone stays as stored (VRAM holds it;
+    its projections are not what limits a token there)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
     fast = precision == "fast"
+    vnni = _native.kernels.isa_available(_native.kernels.AVX512_VNNI)
     if kernel is None:
-        vnni = _native.kernels.isa_available(_native.kernels.AVX512_VNNI)
         kernel = "native-int8" if fast and vnni and device is None else "native"
     if backbone is None:
-        backbone = "int8" if fast and (device is None or device.type != "cuda") else "bf16"
+        backbone = "bf16" if not fast or (device is not None and device.type == "cuda") else "q4" if vnni else "int8"
     return kernel, backbone
 
 
@@ -142,11 +144,11 @@ class Engine:
             io: "direct" (O_DIRECT / F_NOCACHE) or "buffered" (pread through the page cache).
             threads: threads for the expert kernel and torch (default: every core).
             max_seq: longest context; its KV cache is allocated here, once.
-            precision: "fast" (the default) runs Q4 experts against int8 activations where the CPU has
-                AVX-512 VNNI (as llama.cpp runs Q4_0) and the backbone's projections in int8; "exact" runs
-                the float kernels on the backbone as stored, faithful to the float reference (what the
-                golden tests hold to transformers). kernel and backbone, when given, override its choices.
-                See benchmarks/RESULTS.md for what "fast" costs in perplexity and agreement.
+            precision: "fast" (the default) runs Q4 experts and a Q4 backbone (lm_head int8) against int8
+                activations where the CPU has AVX-512 VNNI, as llama.cpp runs Q4_0 (see precision_settings);
+                "exact" runs the float kernels on the backbone as stored, faithful to the float reference
+                (what the golden tests hold to transformers). kernel and backbone, when given, override its
+                choices. See benchmarks/RESULTS.md for what "fast" costs in perplexity and agreement.
             kernel: "native" runs experts in the C++ kernel straight from the ring; "native-int8" does too
                 but quantises activations to int8 for the Q4 dot products (AVX-512 VNNI: 1.6x faster,
                 logits no longer bit-faithful to the float reference); "torch" dequantises records and uses

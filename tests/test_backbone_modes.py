@@ -22,7 +22,9 @@ def test_quantised_backbone_stays_close_to_bf16(bundled, mode, agree):
     quant = Engine.open(bundled, max_seq=256, precision="exact", backbone=mode)
     kind = Q4Matrix if mode == "q4" else QuantizedMatrix
     assert isinstance(quant.model.layers[0].mixer.q, kind)
-    assert isinstance(quant.model.weights.lm_head, kind) and not isinstance(quant.model.weights.embed, kind)
+    head = quant.model.weights.lm_head  # a q4 backbone keeps lm_head in int8
+    assert isinstance(head, QuantizedMatrix) and head.fp8 == (mode == "fp8")
+    assert not isinstance(quant.model.weights.embed, (Q4Matrix, QuantizedMatrix))
     ids = exact.codec.encode(SNIPPET)
     a, b = exact.logits(ids), quant.logits(ids)
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= agree

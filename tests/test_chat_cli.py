@@ -65,7 +65,7 @@ def test_pipe_answers_each_line_and_keeps_the_cache_across_turns(dirs):
 
 
 @pytest.mark.parametrize("flags, want", [
-    ([], "precision fast, kernel {fast}, backbone int8, kv_dtype float32"),
+    ([], "precision fast, kernel {fast}, backbone {backbone}, kv_dtype float32"),
     (["--exact"], "precision exact, kernel native, backbone bf16, kv_dtype float32"),
     (["--exact", "--backbone", "q4", "--kv-dtype", "int8", "--kernel", "torch"],
      "precision exact, kernel torch, backbone q4, kv_dtype int8"),
@@ -75,7 +75,7 @@ def test_precision_options_reach_the_engine(dirs, flags, want):
     vnni = _native.kernels.isa_available(_native.kernels.AVX512_VNNI)
     res = subprocess.run([*CHAT, str(model), *flags], input="/stats\n", capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
-    assert want.format(fast="native-int8" if vnni else "native") in res.stdout
+    assert want.format(fast="native-int8" if vnni else "native", backbone="q4" if vnni else "int8") in res.stdout
 
 
 def test_a_checkpoint_directory_gets_the_convert_command(dirs):
