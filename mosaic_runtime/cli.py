@@ -44,6 +44,8 @@ def format_stats(engine) -> str:
     layers = ", ".join(f"{layer}: {s.hits[layer]}/{s.misses[layer]}" for layer in s.hits)
     ring = f"ring {engine.store.ring.n_slots} of {engine.vault.header.num_records} experts, " if engine.store else ""
     how = ", ".join(f"{k} {v}" for k, v in engine.settings.items())
+    if engine.memory_limit is not None:
+        how += f"\nmemory at open: {engine.memory_limit.available / 2**30:.2f} GiB free, bounded by {engine.memory_limit.bound}"
     return (f"{how}\nlast answer: {s.prompt_tokens} prompt tokens prefilled, {s.new_tokens} generated, "
             f"TTFT {s.ttft_s * 1e3:.0f} ms, {s.tok_per_s:.1f} tok/s\n"
             f"{ring}hit rate {s.hit_rate:.2f}, {s.bytes_read / 2**20:.1f} MiB read since start; "
@@ -122,6 +124,9 @@ def chat(model, system, temperature, top_p, max_tokens, ram_budget, io, max_seq,
         except ImportError:
             pass
         click.echo(f"{model.name}: {engine.arch['model_type']}, {engine.vault.quant}. {HELP}")
+        if engine.store is not None and engine.memory_limit is not None:
+            click.echo(f"ring: {engine.store.ring.n_slots} of {engine.vault.header.num_records} experts; memory bounded "
+                       f"by {engine.memory_limit.bound}")
     with engine:
         while True:
             try:
@@ -155,6 +160,9 @@ def chat(model, system, temperature, top_p, max_tokens, ram_budget, io, max_seq,
                 sampling["seed"] = seed + sum(m["role"] == "user" for m in conversation.messages)
             try:
                 run_turn(conversation, text, sampling, sys.stdout)
+            except VaultError as e:  # a record that fails its check: the vault is damaged, not the turn
+                click.echo(f"mosaic: {e}; check the whole vault with: mosaic-shatter verify {model}", err=True)
+                sys.exit(1)
             except ValueError as e:  # the conversation outgrew max_seq
                 click.echo(f"mosaic: {e}; /reset to start over", err=True)
 

@@ -20,6 +20,7 @@ from .experts import NativeExperts, TorchExperts
 from .generate import Detokenizer, TextCodec, sample
 from .models import build_model, model_recipe
 from .models.state import SequenceState
+from .limits import MemoryLimit, memory_limit
 from .ops import set_threads
 from .tier import TieredExperts
 from .tier.policy import TierCounters
@@ -30,7 +31,7 @@ from .vault.format import BACKBONE_FILE
 DEFAULT_IO = "buffered"  # chosen by benchmarks/reader_bench.py: see benchmarks/RESULTS.md
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 DEFAULT_TIER_POLICY = "decayed-frequency"  # chosen by benchmarks/routing_bench.py: see benchmarks/RESULTS.md
-MARGIN_BYTES = 1 << 30  # left to the OS, Python and torch when sizing the ring from available memory
+MARGIN_BYTES = 1 << 30  # left for what the process allocates later (prefill activations, load-time copies)
 
 
 @dataclass
@@ -71,30 +72,24 @@ class Stats:
         return h / (h + m) if h + m else 0.0
 
 
-def available_memory() -> int:
-    """MemAvailable from /proc/meminfo (Linux), else physical memory."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def ring_slots(vault, ram_budget: int | None, resident_bytes: int) -> int:
+def ring_slots(vault, ram_budget: int | None, resident_bytes: int, limit: MemoryLimit) -> int:
     """How many records the ring holds.
 
-    With a budget: budget // record_bytes. Without: (MemAvailable - what the backbone and KV cache
-    are about to hold - MARGIN_BYTES) // record_bytes, taken before either is loaded. Never more than the vault's records, never fewer than
-    one layer's top-k (else a layer could not run at all).
+    With a budget: budget // record_bytes. Without: what the process may still take (limits.memory_limit:
+    MemAvailable, bounded by its cgroup and rlimits), less what the backbone and the sequence state are about
+    to hold and a margin (MARGIN_BYTES, at most a quarter of it), taken before either is loaded. Never more
+    than the vault's records, never fewer than one layer's top-k (else a layer could not run at all).
     """
     record, top_k = vault.header.record_bytes, vault.arch["num_experts_per_tok"]
-    budget = ram_budget if ram_budget is not None else available_memory() - resident_bytes - MARGIN_BYTES
+    if ram_budget is not None:
+        budget = ram_budget
+    else:
+        free = limit.available - resident_bytes
+        budget = free - min(MARGIN_BYTES, max(free, 0) // 4)
     if budget < top_k * record:
         raise ValueError(f"a RAM budget of {budget:,} bytes holds fewer than one layer's top-{top_k} experts; "
-                         f"the minimum is {top_k * record:,} bytes")
+                         f"the minimum is {top_k * record:,} bytes"
+                         + ("" if ram_budget is not None else f" (memory bounded by {limit.bound})"))
     return min(budget // record, vault.header.num_records)
 
 
@@ -128,6 +123,7 @@ class Engine:
         self.directory, self.vault, self.store, self.model, self.codec = directory, vault, store, model, codec
         self.device = device  # where the backbone runs: None for the CPU, else a CUDA device
         self.settings = settings or {}  # how it computes: precision, kernel, backbone, kv_dtype
+        self.memory_limit: MemoryLimit | None = None  # what the process could take at open, and what bounded it
         self.stats = Stats()
         self._io_mark = self._kernel_mark = 0.0
 
@@ -192,6 +188,7 @@ class Engine:
         directory = Path(path).expanduser()
         vault = open_vault(directory)
         recipe = model_recipe(vault.arch)  # refuses what this runtime cannot run, before anything is allocated
+        memory = memory_limit()  # taken before the backbone loads: what the process may still take
         threads = threads or os.cpu_count() or 1
         torch.set_num_threads(threads)
         set_threads(threads)
@@ -208,7 +205,8 @@ class Engine:
             # stays as stored (its file size) and the sequence state is allocated for max_seq.
             resident = (directory / BACKBONE_FILE).stat().st_size + SequenceState.bytes_for(recipe, max_seq,
                                                                                             kv_torch_dtype)
-            store = ExpertStore(vault, ring_slots(vault, ram_budget, resident), io or DEFAULT_IO, notice=notice)
+            store = ExpertStore(vault, ring_slots(vault, ram_budget, resident, memory), io or DEFAULT_IO,
+                                notice=notice)
             experts = NativeExperts(store, threads, isa)
         else:
             raise ValueError(f"kernel must be 'native', 'native-int8' or 'torch', not {kernel!r}")
@@ -224,6 +222,7 @@ class Engine:
             model = build_model(recipe, weights, experts, max_seq, kv_torch_dtype)
         engine = cls(directory, vault, store, model, None, dev if on_cuda else None,
                      dict(precision=precision, kernel=kernel, backbone=backbone, kv_dtype=kv_dtype))
+        engine.memory_limit = memory
         if store is not None and preload:  # after the backbone has loaded: not competing with its read
             store.preload()
         if (directory / "tokenizer.json").is_file():

@@ -78,6 +78,27 @@ def test_precision_options_reach_the_engine(dirs, flags, want):
     assert want.format(fast="native-int8" if vnni else "native", backbone="q4" if vnni else "int8") in res.stdout
 
 
+def test_a_corrupted_record_is_one_line_and_a_verify_hint(dirs, tmp_path):
+    import shutil
+    from mosaic_runtime.vault import open_vault
+    _, model = dirs
+    bad = tmp_path / "bad"
+    shutil.copytree(model, bad)
+    with open_vault(bad) as vault:
+        offsets = [e.offset for e in vault.entries.values()]
+    with open(bad / "experts.vault", "r+b") as f:  # every record, so whatever the answer routes to is damaged
+        for at in offsets:
+            f.seek(at + 100)
+            byte = f.read(1)
+            f.seek(at + 100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    res = subprocess.run([*CHAT, str(bad), "--max-tokens", "4"], input="def add(a, b):\n", capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "CRC" in lines[0] and f"mosaic-shatter verify {bad}" in lines[0]
+
+
 def test_a_checkpoint_directory_gets_the_convert_command(dirs):
     ckpt, _ = dirs
     res = subprocess.run([*CHAT, str(ckpt)], capture_output=True, text=True, timeout=60)
