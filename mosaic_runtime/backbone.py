@@ -1,9 +1,9 @@
 """Backbone precision at load time: the file stays bf16; `Engine.open(backbone="int8" | "fp8" | "q4")`
 quantises the big projections once and runs them through the native kernels: int8 and fp8 with one
 symmetric scale per output row (float activations, exact widening); q4 in the vault's own Q4_G32 layout
-(a scale per 32 weights), through the expert kernels' Q4 matvec (int8 activations where AVX-512 VNNI is
-present), for a quarter of bf16's bytes, with lm_head in int8: the logits move most with its rounding
-(on the bundled model it halves q4's perplexity cost, +0.29 % against +0.59 %), as llama.cpp's Q4_0 keeps
+(a scale per 32 weights), through the expert kernels' Q4 matvec (int8 activations on AVX-512 VNNI or
+AVX2), for a quarter of bf16's bytes, with lm_head in int8: the logits move most with its rounding (on
+the bundled model it halves q4's perplexity cost, +0.29 % against +0.59 %), as llama.cpp's Q4_0 keeps
 its output matrix at 6 bits.
 
 Quantised: attention and DeltaNet projections, dense MLPs, shared experts and lm_head. Kept as stored:

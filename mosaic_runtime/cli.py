@@ -87,12 +87,12 @@ def main() -> None:
 @click.option("--seed", type=int, default=None, help="seed for sampling")
 @click.option("--exact", is_flag=True,
               help="float kernels on the backbone as stored (the reference) instead of the fast default: Q4 experts "
-                   "and a Q4 backbone against int8 activations where the CPU has AVX-512 VNNI")
+                   "and a Q4 backbone against int8 activations where the CPU has AVX2 or AVX-512")
 @click.option("--backbone", type=click.Choice(["bf16", "int8", "fp8", "q4"]),
-              help="backbone precision (default: q4 with AVX-512 VNNI, else int8; bf16 with --exact): as stored, or "
+              help="backbone precision (default: q4 with AVX2 or AVX-512, else int8; bf16 with --exact): as stored, or "
                    "its projections quantised at load")
 @click.option("--kernel", type=click.Choice(["native", "native-int8", "torch"]),
-              help="expert kernel (default: native-int8 where the CPU has AVX-512 VNNI, else native; native with "
+              help="expert kernel (default: native-int8 where the CPU has AVX2 or AVX-512, else native; native with "
                    "--exact); torch is the slow reference")
 @click.option("--kv-dtype", type=click.Choice(["float32", "bfloat16", "int8"]), default="float32", show_default=True,
               help="what the KV cache holds: bfloat16 and int8 take a half and a quarter of the memory")

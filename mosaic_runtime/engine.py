@@ -101,19 +101,19 @@ def precision_settings(precision: str, kernel: str | None, backbone: str | None,
     """(kernel, backbone) for a precision, with what the caller gave explicitly taking precedence.
 
     "fast" is Q4 experts and a Q4 backbone (lm_head int8) against int8 activations: the arithmetic of
-    llama.cpp's Q4_0. Without AVX-512 VNNI it takes the float expert kernel and an int8 backbone (the float
-    Q4 loop would be slower than int8's bytes). With a device tier the expert kernel stays float: an expert
-    runs on either side depending on what the device holds, and both sides must compute the same function
-    for the tokens not to depend on the VRAM budget. On CUDA the backbone stays as stored (VRAM holds it;
+    llama.cpp's Q4_0, on AVX-512 VNNI or AVX2 (int8_isa). Without either it takes the float expert kernel
+    and an int8 backbone (the float Q4 loop would be slower than int8's bytes). With a device tier the
+    expert kernel stays float: an expert runs on either side depending on what the device holds, and both
+    sides must compute the same function for the tokens not to depend on the VRAM budget. On CUDA the backbone stays as stored (VRAM holds it;
     its projections are not what limits a token there)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
     fast = precision == "fast"
-    vnni = _native.kernels.isa_available(_native.kernels.AVX512_VNNI)
+    int8 = _native.kernels.int8_isa() is not None
     if kernel is None:
-        kernel = "native-int8" if fast and vnni and device is None else "native"
+        kernel = "native-int8" if fast and int8 and device is None else "native"
     if backbone is None:
-        backbone = "bf16" if not fast or (device is not None and device.type == "cuda") else "q4" if vnni else "int8"
+        backbone = "bf16" if not fast or (device is not None and device.type == "cuda") else "q4" if int8 else "int8"
     return kernel, backbone
 
 
@@ -141,17 +141,17 @@ class Engine:
             threads: threads for the expert kernel and torch (default: every core).
             max_seq: longest context; its KV cache is allocated here, once.
             precision: "fast" (the default) runs Q4 experts and a Q4 backbone (lm_head int8) against int8
-                activations where the CPU has AVX-512 VNNI, as llama.cpp runs Q4_0 (see precision_settings);
+                activations where the CPU has AVX-512 or AVX2, as llama.cpp runs Q4_0 (see precision_settings);
                 "exact" runs the float kernels on the backbone as stored, faithful to the float reference
                 (what the golden tests hold to transformers). kernel and backbone, when given, override its
                 choices. See benchmarks/RESULTS.md for what "fast" costs in perplexity and agreement.
             kernel: "native" runs experts in the C++ kernel straight from the ring; "native-int8" does too
-                but quantises activations to int8 for the Q4 dot products (AVX-512 VNNI: 1.6x faster,
+                but quantises activations to int8 for the Q4 dot products (AVX-512 VNNI or AVX2: faster,
                 logits no longer bit-faithful to the float reference); "torch" dequantises records and uses
                 torch ops (the reference, no ring).
             backbone: "bf16" runs the backbone as stored (bit-faithful to the reference); "int8" or "fp8"
                 quantise its projections and lm_head at load, per output row (half the bytes per token);
-                "q4" in the vault's Q4_G32 layout (a quarter; int8 activations under VNNI). See
+                "q4" in the vault's Q4_G32 layout (a quarter; int8 activations as native-int8's). See
                 backbone.py for what is kept as stored, and benchmarks/RESULTS.md for the cost.
             device: None runs everything on the CPU. "cuda" (or "cuda:N") puts the backbone and KV cache in
                 VRAM and adds the device expert tier: hot experts' quantised records are promoted into VRAM
@@ -198,9 +198,10 @@ class Engine:
         elif kernel in ("native", "native-int8"):
             isa = None
             if kernel == "native-int8":
-                if not _native.kernels.isa_available(_native.kernels.AVX512_VNNI):
-                    raise ValueError("kernel='native-int8' needs AVX-512 VNNI, which this CPU lacks")
-                isa = _native.kernels.AVX512_VNNI
+                isa = _native.kernels.int8_isa()
+                if isa is None:
+                    raise ValueError("kernel='native-int8' needs AVX2 or AVX-512, which this CPU (or MOSAIC_ISA) "
+                                     "lacks")
             # Sized before the backbone loads, so MemAvailable does not already count it: the backbone
             # stays as stored (its file size) and the sequence state is allocated for max_seq.
             resident = (directory / BACKBONE_FILE).stat().st_size + SequenceState.bytes_for(recipe, max_seq,

@@ -19,9 +19,10 @@ from .backbone import Q4Matrix, QuantizedMatrix
 
 _K = _native.kernels
 _ISA = _K.best_isa()
-# A Q4 backbone is opt-in and lossy already: it takes the int8-activation VNNI kernel where there is one
-# (0.8-0.9 of the memory roofline against 0.3 for the float Q4 loop, benchmarks/RESULTS.md).
-Q4_ISA = _K.AVX512_VNNI if _K.isa_available(_K.AVX512_VNNI) else _ISA
+# A Q4 backbone is lossy already: it takes the int8-activation kernel where there is one (AVX-512 VNNI:
+# 0.8-0.9 of the memory roofline against 0.3 for the float Q4 loop, benchmarks/RESULTS.md; or AVX2).
+_INT8 = _K.int8_isa()
+Q4_ISA = _ISA if _INT8 is None else _INT8
 
 _THREADS = [os.cpu_count() or 1]
 

@@ -72,7 +72,7 @@ def test_pipe_answers_each_line_and_keeps_the_cache_across_turns(dirs):
 ])
 def test_precision_options_reach_the_engine(dirs, flags, want):
     _, model = dirs
-    vnni = _native.kernels.isa_available(_native.kernels.AVX512_VNNI)
+    vnni = _native.kernels.int8_isa() is not None
     res = subprocess.run([*CHAT, str(model), *flags], input="/stats\n", capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert want.format(fast="native-int8" if vnni else "native", backbone="q4" if vnni else "int8") in res.stdout

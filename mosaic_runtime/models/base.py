@@ -11,8 +11,8 @@ from ..kv_cache import Int8Rows
 from ..ops import linear, threads
 
 _ISA = _native.kernels.best_isa()
-# An int8 KV cache is opt-in and lossy already: it takes the integer (VNNI) kernel where there is one,
-# which rounds queries and probabilities to 16 bits (about 1e-4 of the output, against the codes' 1/254).
+# An int8 KV cache is opt-in and lossy already: it takes the integer kernel where there is one (AVX-512
+# VNNI), which rounds queries and probabilities to 16 bits (about 1e-4 of the output, against the codes' 1/254).
 _I8_ISA = _native.kernels.AVX512_VNNI if _native.kernels.isa_available(_native.kernels.AVX512_VNNI) else _ISA
 _DECODE_KERNELS = {torch.float32: _native.kernels.decode_attention, torch.bfloat16: _native.kernels.decode_attention_bf16}
 

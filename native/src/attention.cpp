@@ -5,7 +5,8 @@
 // task with its own reference max, sum and output (online softmax, flash-decoding), and the chunks are
 // merged in ascending order: the result depends on the length only, never on the thread count.
 // Caches: float32, bf16, or int8 with a float32 scale per row (key or value = code * scale); under
-// Isa::Avx512Vnni an int8 cache takes the integer task of attention_i8.cpp instead.
+// Isa::Avx512Vnni an int8 cache takes the integer task of attention_i8.cpp instead. AVX2 CPUs take a
+// simpler task (task_avx2) in the same chunks.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -206,6 +207,69 @@ MOSAIC_AVX512 void task_avx512(const float* q, int rep, int d, const T* k, const
   sm.finish(part, rep);
 }
 
+// AVX2: head_dim a multiple of 8. Keys outer and the group's query heads inner, so each key or value row
+// is read from memory once and from L1 by the other heads; scores, then the softmax, then the values.
+#define MOSAIC_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+MOSAIC_AVX2 inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
+MOSAIC_AVX2 inline __m256 widen8(const uint16_t* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+MOSAIC_AVX2 inline __m256 widen8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+template <typename T>
+MOSAIC_AVX2 void task_avx2(const float* q, int rep, int d, const T* k, const T* v, RowScales rs, int k0, int k1,
+                           float* o, Partial* part) {
+  thread_local std::vector<float> scores;  // [rep][k1 - k0]
+  const int n = k1 - k0;
+  scores.resize(static_cast<size_t>(rep) * n);
+  for (int j = 0; j < n; ++j) {
+    const T* kr = k + static_cast<int64_t>(k0 + j) * d;
+    if (j + 4 < n) _mm_prefetch(reinterpret_cast<const char*>(kr + 4 * d), _MM_HINT_T0);
+    for (int r = 0; r < rep; ++r) {
+      const float* qr = q + static_cast<int64_t>(r) * d;
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+      int i = 0;
+      for (; i + 16 <= d; i += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i), widen8(kr + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i + 8), widen8(kr + i + 8), a1);
+      }
+      if (i < d) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i), widen8(kr + i), a0);
+      const __m256 a = _mm256_add_ps(a0, a1);
+      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+      const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+      const float dot = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+      scores[static_cast<size_t>(r) * n + j] = rs.k ? dot * rs.k[k0 + j] : dot;
+    }
+  }
+  for (int r = 0; r < rep; ++r) {
+    float* sr = scores.data() + static_cast<size_t>(r) * n;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int j = 0; j < n; ++j) m = std::max(m, sr[j]);
+    float l = 0.f;
+    for (int j = 0; j < n; ++j) {
+      const float p = std::exp(sr[j] - m);
+      l += p;
+      sr[j] = rs.v ? p * rs.v[k0 + j] : p;
+    }
+    part[r] = {m, l};
+    std::fill(o + static_cast<int64_t>(r) * d, o + static_cast<int64_t>(r + 1) * d, 0.f);
+  }
+  for (int j = 0; j < n; ++j) {
+    const T* vr = v + static_cast<int64_t>(k0 + j) * d;
+    if (j + 4 < n) _mm_prefetch(reinterpret_cast<const char*>(vr + 4 * d), _MM_HINT_T0);
+    for (int r = 0; r < rep; ++r) {
+      const __m256 p = _mm256_set1_ps(scores[static_cast<size_t>(r) * n + j]);
+      float* orow = o + static_cast<int64_t>(r) * d;
+      for (int i = 0; i < d; i += 8)
+        _mm256_storeu_ps(orow + i, _mm256_fmadd_ps(p, widen8(vr + i), _mm256_loadu_ps(orow + i)));
+    }
+  }
+}
+
 template <typename T>
 void task_scalar(const float* q, int rep, int d, const T* k, const T* v, RowScales rs, int k0, int k1, float* o,
                  Partial* part) {
@@ -242,8 +306,9 @@ void attend(const float* q, int heads, int head_dim, const T* k, const T* v, int
   const int tasks = kv_heads * chunks;
   constexpr bool bf16 = std::is_same<T, uint16_t>::value, int8 = std::is_same<T, int8_t>::value;
   // bf16 and int8 rows are loaded 32 values at a time (load_pair, attention_i8.cpp)
-  const bool wide = (isa == Isa::Avx512 || isa == Isa::Avx512Vnni) && d % (int8 || bf16 ? 32 : 16) == 0 &&
-                    d <= kMaxDim && rep <= kMaxRep;
+  const bool wide = vector_isa(isa) == Isa::Avx512 && d % (int8 || bf16 ? 32 : 16) == 0 && d <= kMaxDim &&
+                    rep <= kMaxRep;
+  const bool avx2 = !wide && vector_isa(isa) != Isa::Scalar && d % 8 == 0;  // task_avx2
   const bool integer = int8 && wide && isa == Isa::Avx512Vnni;  // task_i8_vnni
   // Where the AVX-512 loops keep element i of a query or output row: bf16 rows go as evens then odds
   // inside each block of 32 (load_pair); the integer int8 task's outputs in i8_order; otherwise in place.
@@ -292,7 +357,8 @@ void attend(const float* q, int heads, int head_dim, const T* k, const T* v, int
         continue;
       }
     }
-    if (!wide) task_scalar(qg, rep, d, kg, vg, rs, k0, k1, o, part);
+    if (avx2) task_avx2(qg, rep, d, kg, vg, rs, k0, k1, o, part);
+    else if (!wide) task_scalar(qg, rep, d, kg, vg, rs, k0, k1, o, part);
     else if (d == 64) task_avx512<4, T>(qg, rep, d, kg, vg, rs, k0, k1, o, part);
     else if (d == 128) task_avx512<8, T>(qg, rep, d, kg, vg, rs, k0, k1, o, part);
     else if (d == 256) task_avx512<16, T>(qg, rep, d, kg, vg, rs, k0, k1, o, part);

@@ -113,7 +113,8 @@ void delta_net_step(const DeltaNetMixer& m, const float* h, float* out, float* s
     for (int i = 0; i < dk; ++i) q[static_cast<int64_t>(g) * dk + i] *= q_scale;
   }
   const int rep = hv / hk;  // value head j reads key head j / rep
-  auto head = isa == Isa::Scalar ? delta_head_scalar : isa == Isa::Avx2 ? delta_head_avx2 : delta_head_avx512;
+  const Isa vec = vector_isa(isa);
+  auto head = vec == Isa::Scalar ? delta_head_scalar : vec == Isa::Avx2 ? delta_head_avx2 : delta_head_avx512;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int j = 0; j < hv; ++j) {
     float u[kMaxDeltaValueDim];

@@ -8,6 +8,8 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -16,7 +18,9 @@
 
 namespace mosaic {
 
-Isa best_isa() {
+namespace {
+
+Isa hardware_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
     return Isa::Avx512;
@@ -25,18 +29,42 @@ Isa best_isa() {
   return Isa::Scalar;
 }
 
-bool has_vnni() {
-  __builtin_cpu_init();
-  return best_isa() == Isa::Avx512 && __builtin_cpu_supports("avx512vnni");
+Isa forced_cap() {  // MOSAIC_ISA, or Avx512 (no cap)
+  const char* env = std::getenv("MOSAIC_ISA");
+  if (env == nullptr || *env == '\0') return Isa::Avx512;
+  for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512})
+    if (std::strcmp(env, isa_name(isa)) == 0) return isa;
+  std::fprintf(stderr, "mosaic: MOSAIC_ISA=%s is not one of scalar, avx2, avx512; ignored\n", env);
+  return Isa::Avx512;
+}
+
+}  // namespace
+
+Isa best_isa() {
+  static const Isa isa = static_cast<Isa>(std::min(static_cast<int>(hardware_isa()), static_cast<int>(forced_cap())));
+  return isa;
+}
+
+Isa int8_isa() {
+  switch (best_isa()) {
+    case Isa::Avx512: return __builtin_cpu_supports("avx512vnni") ? Isa::Avx512Vnni : Isa::Avx2Int8;
+    case Isa::Avx2: return Isa::Avx2Int8;
+    default: return Isa::Scalar;
+  }
 }
 
 bool isa_available(Isa isa) {
-  return isa == Isa::Avx512Vnni ? has_vnni() : static_cast<int>(isa) <= static_cast<int>(best_isa());
+  switch (isa) {
+    case Isa::Avx512Vnni: return int8_isa() == Isa::Avx512Vnni;
+    case Isa::Avx2Int8: return static_cast<int>(best_isa()) >= static_cast<int>(Isa::Avx2);
+    default: return static_cast<int>(isa) <= static_cast<int>(best_isa());
+  }
 }
 
 const char* isa_name(Isa isa) {
   switch (isa) {
-    case Isa::Avx512Vnni: return "avx512-vnni (int8 activations)";
+    case Isa::Avx512Vnni: return "avx512-vnni";
+    case Isa::Avx2Int8: return "avx2-int8";
     case Isa::Avx512: return "avx512";
     case Isa::Avx2: return "avx2";
     default: return "scalar";
@@ -46,6 +74,7 @@ const char* isa_name(Isa isa) {
 IsaKernels kernels_for(Isa isa) {
   switch (isa) {
     case Isa::Avx512Vnni: return avx512_vnni_kernels();
+    case Isa::Avx2Int8: return avx2_int8_kernels();
     case Isa::Avx512: return avx512_kernels();
     case Isa::Avx2: return avx2_kernels();
     default: return scalar_kernels();

@@ -32,6 +32,32 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) void row_avx512(co
   for (int t = 0; t < NT; ++t) y[t * ldy] = _mm512_reduce_add_ps(acc[t]);
 }
 
+// AVX2: 16 columns a step in two accumulators per token; the tail through the scalar arithmetic.
+template <int NT>
+__attribute__((target("avx2,fma"))) void row_avx2(const uint16_t* w, int cols, const float* x, int ldx, float* y,
+                                                  int ldy) {
+  __m256 acc[NT][2];
+  for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  int c = 0;
+  for (; c + 16 <= cols; c += 16) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c));
+    const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw)), 16));
+    const __m256 w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1)), 16));
+    for (int t = 0; t < NT; ++t) {
+      acc[t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + t * ldx + c), acc[t][0]);
+      acc[t][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + t * ldx + c + 8), acc[t][1]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    const __m256 v = _mm256_add_ps(acc[t][0], acc[t][1]);
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    float s = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+    for (int j = c; j < cols; ++j) s += bf16_to_f32(w[j]) * x[t * ldx + j];
+    y[t * ldy] = s;
+  }
+}
+
 template <int NT>
 void row_scalar(const uint16_t* w, int cols, const float* x, int ldx, float* y, int ldy) {
   for (int t = 0; t < NT; ++t) {
@@ -42,27 +68,28 @@ void row_scalar(const uint16_t* w, int cols, const float* x, int ldx, float* y, 
 }
 
 template <int NT>
-void row(bool wide, const uint16_t* w, int cols, const float* x, int ldx, float* y, int ldy) {
-  if (wide) row_avx512<NT>(w, cols, x, ldx, y, ldy);
+void row(Isa isa, const uint16_t* w, int cols, const float* x, int ldx, float* y, int ldy) {
+  if (isa == Isa::Avx512) row_avx512<NT>(w, cols, x, ldx, y, ldy);
+  else if (isa == Isa::Avx2) row_avx2<NT>(w, cols, x, ldx, y, ldy);
   else row_scalar<NT>(w, cols, x, ldx, y, ldy);
 }
 
 }  // namespace
 
 void linear_bf16(const uint16_t* w, int rows, int cols, const float* x, int n, float* y, int threads, Isa isa) {
-  const bool wide = isa == Isa::Avx512 || isa == Isa::Avx512Vnni;
+  const Isa vec = vector_isa(isa);
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int r = 0; r < rows; ++r) {
     const uint16_t* wr = w + static_cast<uint64_t>(r) * cols;
     int t0 = 0;
-    for (; t0 + kTile <= n; t0 += kTile) row<kTile>(wide, wr, cols, x + static_cast<uint64_t>(t0) * cols, cols,
+    for (; t0 + kTile <= n; t0 += kTile) row<kTile>(vec, wr, cols, x + static_cast<uint64_t>(t0) * cols, cols,
                                                     y + static_cast<uint64_t>(t0) * rows + r, rows);
     const float* xt = x + static_cast<uint64_t>(t0) * cols;
     float* yt = y + static_cast<uint64_t>(t0) * rows + r;
     switch (n - t0) {
-      case 3: row<3>(wide, wr, cols, xt, cols, yt, rows); break;
-      case 2: row<2>(wide, wr, cols, xt, cols, yt, rows); break;
-      case 1: row<1>(wide, wr, cols, xt, cols, yt, rows); break;
+      case 3: row<3>(vec, wr, cols, xt, cols, yt, rows); break;
+      case 2: row<2>(vec, wr, cols, xt, cols, yt, rows); break;
+      case 1: row<1>(vec, wr, cols, xt, cols, yt, rows); break;
       default: break;
     }
   }

@@ -13,9 +13,15 @@ inline constexpr int kQ4 = static_cast<int>(kQ4Block);
 inline constexpr int kQ4Bytes = static_cast<int>(kQ4BlockBytes);
 inline constexpr int kFp8 = static_cast<int>(kFp8Block);
 
-// Avx512Vnni is opt-in: its Q4 kernel quantises activations to int8 (see kernels_avx512.cpp), so it is
-// not what best_isa() returns; the others compute with float activations and agree to float rounding.
-enum class Isa : int { Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Vnni = 3 };
+// Avx512Vnni and Avx2Int8 are opt-in: their Q4 kernels quantise activations to int8 (kernels_avx512.cpp,
+// kernels_avx2.cpp), so neither is what best_isa() returns; everything else they run is their vector ISA's
+// (vector_isa). The others compute with float activations and agree to float rounding.
+enum class Isa : int { Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Vnni = 3, Avx2Int8 = 4 };
+
+// The float ISA under an int8-activation one: what its backbone, attention and recurrent kernels run.
+inline Isa vector_isa(Isa isa) {
+  return isa == Isa::Avx512Vnni ? Isa::Avx512 : isa == Isa::Avx2Int8 ? Isa::Avx2 : isa;
+}
 
 // Y[t, r] = sum_c W[r, c] * X[t, c] for t < n, r < rows; W is one quantised projection (codes + scales).
 // X rows are `ldx` floats apart, Y rows `ldy` floats apart. Every ISA sums a row in the same block order
@@ -41,11 +47,15 @@ IsaKernels scalar_kernels();
 IsaKernels avx2_kernels();
 IsaKernels avx512_kernels();
 IsaKernels avx512_vnni_kernels();
-bool has_vnni();
+IsaKernels avx2_int8_kernels();
 IsaKernels kernels_for(Isa isa);
 bool isa_available(Isa isa);
 
-Isa best_isa();                  // what this CPU supports
+// What this CPU supports, at most what MOSAIC_ISA (scalar, avx2, avx512) allows: a forced path for tests
+// and benchmarks. An unknown MOSAIC_ISA is reported once on stderr and ignored.
+Isa best_isa();
+// The int8-activation ISA under best_isa(): Avx512Vnni, Avx2Int8, or Scalar where there is none.
+Isa int8_isa();
 const char* isa_name(Isa isa);
 
 // One expert's share of a layer: the tokens routed to it and their routing weights.
@@ -86,7 +96,7 @@ int moe_experts(const RecordLayout& layout, QuantType quant, const float* x, int
 uint64_t moe_scratch_floats(const RecordLayout& layout, int total_rows, int max_rows_per_task, int threads);
 
 // Y[n, rows] = X[n, cols] @ W.T with W in bf16 [rows, cols], float32 accumulation; rows over threads.
-// AVX-512 when isa allows it, else the scalar loop (the reference).
+// AVX-512 or AVX2 as isa allows, else the scalar loop (the reference).
 void linear_bf16(const uint16_t* w, int rows, int cols, const float* x, int n, float* y, int threads, Isa isa);
 
 // Y[n, rows] = X[n, cols] @ W.T for W quantised per output row: codes [rows, cols] (int8, or E4M3 when
