@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 NATIVE := $(shell find native -type f) CMakeLists.txt pyproject.toml
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-asan bench clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,21 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# The native core under AddressSanitizer and UndefinedBehaviorSanitizer (build/asan), loaded in place of the
+# installed module (tests/conftest.py) by the tests that reach native code. Python itself is not
+# instrumented: the sanitizer runtimes are preloaded, and leak reports (Python's own) are off.
+ASAN_BUILD := build/asan
+ASAN_TESTS := tests/test_kernels.py tests/test_attention.py tests/test_ring.py tests/test_native_format.py \
+	tests/test_decode_layer.py tests/test_hybrid.py tests/test_engine.py tests/test_backbone_modes.py \
+	tests/test_golden_qwen3_moe.py tests/test_kv_cache.py tests/test_device_tier.py
+test-asan: setup
+	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Release -DMOSAIC_SANITIZE=ON \
+		-DPython_EXECUTABLE=$(abspath $(BIN)/python) > $(ASAN_BUILD).log
+	cmake --build $(ASAN_BUILD) --target _native -j 2 >> $(ASAN_BUILD).log
+	MOSAIC_NATIVE_MODULE=$$(ls $(abspath $(ASAN_BUILD))/_native*.so) \
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 $(BIN)/python -m pytest -q -p no:cacheprovider $(ASAN_TESTS)
 
 bench: setup
 	$(BIN)/pip install -q -e ".[bench]" --no-build-isolation

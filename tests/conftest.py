@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import os
+import sys
 
-import pytest
-import torch
-from hypothesis import settings
+# `make test-asan`: the sanitized build of the native module stands in for the installed one, before
+# anything imports mosaic_runtime.
+if os.environ.get("MOSAIC_NATIVE_MODULE"):
+    _spec = importlib.util.spec_from_loader("mosaic_runtime._native", importlib.machinery.ExtensionFileLoader(
+        "mosaic_runtime._native", os.environ["MOSAIC_NATIVE_MODULE"]))
+    sys.modules["mosaic_runtime._native"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules["mosaic_runtime._native"])
 
-from builders import tiny_qwen3_moe, to_block_fp8
-from mosaic_shatter.convert import convert
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+from builders import tiny_qwen3_moe, to_block_fp8  # noqa: E402
+from mosaic_shatter.convert import convert  # noqa: E402
 
 # CI replays the same examples every run (a failure there is then reproducible); locally they vary.
 settings.register_profile("ci", derandomize=True, deadline=None)
