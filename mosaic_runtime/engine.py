@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,7 @@ from .generate import Detokenizer, TextCodec, sample
 from .models import build_model, model_recipe
 from .models.state import SequenceState
 from .limits import MemoryLimit, memory_limit
-from .ops import set_threads
+from .ops import using_threads
 from .tier import TieredExperts
 from .tier.policy import TierCounters
 from .vault import open_vault
@@ -122,7 +123,11 @@ class Engine:
                  settings: dict | None = None):
         self.directory, self.vault, self.store, self.model, self.codec = directory, vault, store, model, codec
         self.device = device  # where the backbone runs: None for the CPU, else a CUDA device
-        self.settings = settings or {}  # how it computes: precision, kernel, backbone, kv_dtype
+        self.settings = settings or {}  # how it computes: precision, kernel, backbone, kv_dtype, threads
+        self.threads = self.settings.get("threads") or os.cpu_count() or 1
+        # One thread at a time: a generation holds the engine (its KV cache) from its first token to its end.
+        self._owner: int | None = None
+        self._owner_lock = threading.Lock()
         self.memory_limit: MemoryLimit | None = None  # what the process could take at open, and what bounded it
         self.stats = Stats()
         self._io_mark = self._kernel_mark = 0.0
@@ -138,7 +143,9 @@ class Engine:
             ram_budget: bytes for the expert ring (the LRU expert cache); default: from available memory,
                 see ring_slots().
             io: "direct" (O_DIRECT / F_NOCACHE) or "buffered" (pread through the page cache).
-            threads: threads for the expert kernel and torch (default: every core).
+            threads: threads for this engine's kernels and torch ops (default: every core); another engine in
+                the process keeps its own. An engine serves one thread at a time: a request from another
+                thread while a generation is under way raises RuntimeError.
             max_seq: longest context; its KV cache is allocated here, once.
             precision: "fast" (the default) runs Q4 experts and a Q4 backbone (lm_head int8) against int8
                 activations where the CPU has AVX-512 or AVX2, as llama.cpp runs Q4_0 (see precision_settings);
@@ -190,8 +197,6 @@ class Engine:
         recipe = model_recipe(vault.arch)  # refuses what this runtime cannot run, before anything is allocated
         memory = memory_limit()  # taken before the backbone loads: what the process may still take
         threads = threads or os.cpu_count() or 1
-        torch.set_num_threads(threads)
-        set_threads(threads)
         notice = (lambda msg: print(msg, file=sys.stderr)) if verbose else None
         if kernel == "torch":
             store, experts = None, TorchExperts(vault.dequantize_expert)
@@ -222,7 +227,7 @@ class Engine:
         with torch.device(dev) if on_cuda else contextlib.nullcontext():
             model = build_model(recipe, weights, experts, max_seq, kv_torch_dtype)
         engine = cls(directory, vault, store, model, None, dev if on_cuda else None,
-                     dict(precision=precision, kernel=kernel, backbone=backbone, kv_dtype=kv_dtype))
+                     dict(precision=precision, kernel=kernel, backbone=backbone, kv_dtype=kv_dtype, threads=threads))
         engine.memory_limit = memory
         if store is not None and preload:  # after the backbone has loaded: not competing with its read
             store.preload()
@@ -238,8 +243,24 @@ class Engine:
 
     def _forward(self, ids, start: int) -> torch.Tensor:
         """The model's float32 logits [T, V] on the CPU; on CUDA the step's own tensors are made there."""
-        with torch.device(self.device) if self.device is not None else contextlib.nullcontext():
+        with torch.device(self.device) if self.device is not None else contextlib.nullcontext(), \
+                using_threads(self.threads):
             return self.model.forward(torch.as_tensor(ids, dtype=torch.long), start).cpu()
+
+    @contextlib.contextmanager
+    def _held(self):
+        """This thread's hold on the engine for one request; another thread's request meanwhile is refused
+        (its sequence state would interleave with this one's)."""
+        me = threading.get_ident()
+        with self._owner_lock:
+            if self._owner not in (None, me):
+                raise RuntimeError("this Engine is running a request in another thread; use one Engine per "
+                                   "thread, or finish (or close) that request first")
+            outer, self._owner = self._owner, me
+        try:
+            yield
+        finally:
+            self._owner = outer
 
     def _sync_stats(self) -> None:
         if self.store is None:
@@ -272,7 +293,8 @@ class Engine:
 
     def logits(self, token_ids) -> torch.Tensor:
         """float32 logits [T, vocab] of a fresh forward pass over token_ids (the KV cache is reset)."""
-        return self._forward(list(token_ids), 0)
+        with self._held():
+            return self._forward(list(token_ids), 0)
 
     def generate_ids(self, prompt_ids, *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                      top_k: int = 0, seed: int | None = None, stop_ids=(), cached: int = 0) -> Iterator[int]:
@@ -282,6 +304,11 @@ class Engine:
         earlier turns of a conversation). 0 starts from an empty cache. On return (or when the caller
         stops iterating) the cache holds every token that was fed: `self.model.state.length` of them.
         """
+        with self._held():
+            yield from self._generate_ids(prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, stop_ids,
+                                          cached)
+
+    def _generate_ids(self, prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, stop_ids, cached):
         if not 0 <= cached <= self.model.state.length:
             raise ValueError(f"cached={cached} but the KV cache holds {self.model.state.length} tokens")
         if not prompt_ids:

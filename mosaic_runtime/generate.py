@@ -25,6 +25,36 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
     return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
 
 
+class ChatTemplateError(ValueError):
+    """A chat template that failed to render: its syntax, what it did, or what the sandbox refused."""
+
+
+def _sandbox():
+    """Jinja's immutable sandbox (no attribute writes, no unsafe calls, range() capped), also refusing
+    operations whose result alone would exhaust memory: a string or list repeated, or a power, past a
+    bound no chat template needs."""
+    from jinja2.exceptions import SecurityError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Sandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(["*", "**"])
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "*" and isinstance(left, int) and isinstance(right, (str, list, tuple)):
+                left, right = right, left
+            if operator == "*" and isinstance(left, (str, list, tuple)) and isinstance(right, int):
+                if len(left) * right > _MAX_REPEAT:
+                    raise SecurityError(f"the template repeats a sequence {right} times")
+            if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(right) > 64:
+                raise SecurityError(f"the template raises to the power {right}")
+            return super().call_binop(context, operator, left, right)
+
+    return Sandbox(trim_blocks=True, lstrip_blocks=True)
+
+
+_MAX_REPEAT = 1 << 20
+
+
 class TextCodec:
     """The checkpoint's own tokenizer.json and chat template, copied into the model directory."""
 
@@ -52,13 +82,28 @@ class TextCodec:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: list[dict]) -> str:
-        """The prompt text of a conversation, rendered by the checkpoint's template in a Jinja sandbox."""
+        """The prompt text of a conversation, rendered by the checkpoint's template in a Jinja sandbox.
+
+        Raises:
+            ChatTemplateError: there is no template, or it does not parse, fails while rendering (whatever it raised),
+                or attempts what the sandbox refuses; the message says which.
+        """
         if not self.chat_template:
-            raise ValueError("this model has no chat template; pass a plain prompt")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        special = {k: (v["content"] if isinstance(v, dict) else v) for k, v in self.special.items()}
-        return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True, **special)
+            raise ChatTemplateError("this model has no chat template; pass a plain prompt")
+        from jinja2.exceptions import TemplateSyntaxError
+        special = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in self.special.items()}
+        try:
+            template = _sandbox().from_string(self.chat_template)
+        except TemplateSyntaxError as e:
+            raise ChatTemplateError(f"chat template, line {e.lineno}: {e.message}") from None
+        except RecursionError:
+            raise ChatTemplateError("chat template: nested too deeply to parse") from None
+        try:
+            return template.render(messages=messages, add_generation_prompt=True, **special)
+        except RecursionError:
+            raise ChatTemplateError("chat template failed: it recursed too deeply") from None
+        except Exception as e:  # noqa: BLE001 - a template can raise anything its expressions can
+            raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from None
 
 
 class Detokenizer:

@@ -8,6 +8,8 @@ float product.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 
 import numpy as np
@@ -24,16 +26,25 @@ _ISA = _K.best_isa()
 _INT8 = _K.int8_isa()
 Q4_ISA = _ISA if _INT8 is None else _INT8
 
-_THREADS = [os.cpu_count() or 1]
+# Per context, not per process: each Engine runs its forward passes under its own setting (using_threads),
+# so two engines in one process, or in two threads, keep theirs.
+_THREADS: contextvars.ContextVar[int] = contextvars.ContextVar("mosaic_threads", default=os.cpu_count() or 1)
 
 
-def set_threads(n: int) -> None:
-    _THREADS[0] = n
+@contextlib.contextmanager
+def using_threads(n: int):
+    """Run the native kernels (and torch's ops) called inside on n threads."""
+    token = _THREADS.set(n)
+    torch.set_num_threads(n)  # torch's own setting is per process: taken again by every forward pass
+    try:
+        yield
+    finally:
+        _THREADS.reset(token)
 
 
 def threads() -> int:
-    """Threads the native backbone kernels use (set by Engine.open)."""
-    return _THREADS[0]
+    """Threads the native backbone kernels use (the running Engine's, using_threads)."""
+    return _THREADS.get()
 
 
 def linear(x: torch.Tensor, w) -> torch.Tensor:
@@ -41,12 +52,12 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
     if isinstance(w, Q4Matrix):
         xs = x.contiguous()
         y = np.empty((xs.shape[0], w.shape[0]), np.float32)
-        _K.linear_q4(Q4_ISA, _THREADS[0], w.codes.numpy(), w.scales.view(torch.uint16).numpy(), xs.numpy(), y)
+        _K.linear_q4(Q4_ISA, threads(), w.codes.numpy(), w.scales.view(torch.uint16).numpy(), xs.numpy(), y)
         return torch.from_numpy(y)
     if isinstance(w, QuantizedMatrix):
         xs = x.contiguous()
         y = np.empty((xs.shape[0], w.shape[0]), np.float32)
-        _K.linear_quant(_ISA, _THREADS[0], w.codes.numpy(), w.scales.numpy(), w.fp8, xs.numpy(), y)
+        _K.linear_quant(_ISA, threads(), w.codes.numpy(), w.scales.numpy(), w.fp8, xs.numpy(), y)
         return torch.from_numpy(y)
     if w.device.type != "cpu":  # a backbone in VRAM: bf16 activations, float32 accumulation (cuBLAS)
         return F.linear(x.to(w.dtype), w).float()
@@ -54,5 +65,5 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
         return F.linear(x, w)
     xs = x.contiguous()
     y = np.empty((xs.shape[0], w.shape[0]), np.float32)
-    _K.linear_bf16(_ISA, _THREADS[0], w.view(torch.uint16).numpy(), xs.numpy(), y)
+    _K.linear_bf16(_ISA, threads(), w.view(torch.uint16).numpy(), xs.numpy(), y)
     return torch.from_numpy(y)

@@ -40,6 +40,16 @@ def _get(cfg: dict, *names, default=None):
     return default
 
 
+MAX_LAYERS = 4096  # far past any checkpoint; a config's layer count sizes lists before any tensor is read
+
+
+def _layers(cfg: dict) -> int:
+    n = int(cfg["num_hidden_layers"])
+    if not 1 <= n <= MAX_LAYERS:
+        raise UnsupportedModel(f"num_hidden_layers = {n}: expected 1 to {MAX_LAYERS}")
+    return n
+
+
 def _rope(cfg: dict, default_partial: float = 1.0) -> dict:
     """RoPE settings from either `rope_theta` + `rope_scaling` or transformers-5 `rope_parameters`."""
     params = dict(cfg.get("rope_parameters") or {})
@@ -65,6 +75,8 @@ def _token_ids(value) -> list[int]:
 def _sparse_kinds(cfg: dict, n_layers: int, n_experts: int) -> list[str]:
     """transformers' Qwen-MoE rule: a layer is MoE unless listed in mlp_only_layers or off the sparse step."""
     step = int(_get(cfg, "decoder_sparse_step", default=1))
+    if step < 1:
+        raise UnsupportedModel(f"decoder_sparse_step = {step}: expected at least 1")
     dense_only = set(_get(cfg, "mlp_only_layers", default=[]))
     return ["moe" if (i not in dense_only and n_experts > 0 and (i + 1) % step == 0) else "dense"
             for i in range(n_layers)]
@@ -84,7 +96,7 @@ def decoder_arch(cfg: dict, generation_cfg: dict | None, *, layer_kinds: list[st
     gen = generation_cfg or {}
     eos = _token_ids(cfg.get("eos_token_id")) + [t for t in _token_ids(gen.get("eos_token_id"))
                                                   if t not in _token_ids(cfg.get("eos_token_id"))]
-    n_layers = int(cfg["num_hidden_layers"])
+    n_layers = _layers(cfg)
     if len(layer_kinds) != n_layers or len(layer_types) != n_layers:
         raise UnsupportedModel(f"{len(layer_kinds)} layer kinds / {len(layer_types)} layer types for {n_layers} layers")
     unknown = set(layer_types) - {"full_attention", "sliding_attention", "linear_attention"}
@@ -139,7 +151,7 @@ def decoder_arch(cfg: dict, generation_cfg: dict | None, *, layer_kinds: list[st
 
 # --- qwen3_moe, qwen2_moe, olmoe, mixtral -------------------------------------------------------------
 def qwen3_moe_arch(cfg: dict, generation_cfg: dict | None) -> dict:
-    n_layers, n_experts = int(cfg["num_hidden_layers"]), int(_get(cfg, "num_experts", "num_local_experts", default=0))
+    n_layers, n_experts = _layers(cfg), int(_get(cfg, "num_experts", "num_local_experts", default=0))
     return decoder_arch(cfg, generation_cfg, layer_kinds=_sparse_kinds(cfg, n_layers, n_experts),
                         layer_types=_attention_types(cfg, n_layers), num_experts=n_experts,
                         moe_intermediate_size=int(cfg["moe_intermediate_size"]), qk_norm="head",
@@ -150,7 +162,7 @@ def qwen3_moe_arch(cfg: dict, generation_cfg: dict | None) -> dict:
 def qwen2_moe_arch(cfg: dict, generation_cfg: dict | None) -> dict:
     """Qwen1.5-MoE and Qwen2-MoE: q/k/v biases (always, `qkv_bias` in transformers 5), a shared expert
     scaled by a sigmoid gate, softmax routing usually without renormalisation."""
-    n_layers, n_experts = int(cfg["num_hidden_layers"]), int(_get(cfg, "num_experts", "num_local_experts", default=0))
+    n_layers, n_experts = _layers(cfg), int(_get(cfg, "num_experts", "num_local_experts", default=0))
     return decoder_arch(cfg, generation_cfg, layer_kinds=_sparse_kinds(cfg, n_layers, n_experts),
                         layer_types=_attention_types(cfg, n_layers, qwen2_windows=True), num_experts=n_experts,
                         moe_intermediate_size=int(cfg["moe_intermediate_size"]),
@@ -162,7 +174,7 @@ def qwen2_moe_arch(cfg: dict, generation_cfg: dict | None) -> dict:
 def olmoe_arch(cfg: dict, generation_cfg: dict | None) -> dict:
     """OLMoE: q/k RMSNorm over the whole projection (not per head), optional biases on all four projections,
     q/k/v optionally clipped."""
-    n_layers, n_experts = int(cfg["num_hidden_layers"]), int(_get(cfg, "num_experts", "num_local_experts"))
+    n_layers, n_experts = _layers(cfg), int(_get(cfg, "num_experts", "num_local_experts"))
     bias = bool(cfg.get("attention_bias", False))
     arch = decoder_arch(cfg, generation_cfg, layer_kinds=["moe"] * n_layers,
                         layer_types=["full_attention"] * n_layers, num_experts=n_experts,
@@ -175,7 +187,7 @@ def olmoe_arch(cfg: dict, generation_cfg: dict | None) -> dict:
 def mixtral_arch(cfg: dict, generation_cfg: dict | None) -> dict:
     """Mixtral: every layer MoE, the expert width is `intermediate_size`, top-k weights always renormalised,
     a sliding window on every layer when `sliding_window` is set (it is null in the current releases)."""
-    n_layers = int(cfg["num_hidden_layers"])
+    n_layers = _layers(cfg)
     window = cfg.get("sliding_window")
     return decoder_arch(cfg, generation_cfg, layer_kinds=["moe"] * n_layers,
                         layer_types=["sliding_attention" if window else "full_attention"] * n_layers,
@@ -238,7 +250,7 @@ def glm4_moe_arch(cfg: dict, generation_cfg: dict | None) -> dict:
     """GLM-4.5 / 4.5-Air / 4.6: partial RoPE (0.5 by default), q/k/v biases, sigmoid router scores with a
     correction bias that only picks experts, group-limited top-k, a scaling factor, shared experts without
     a gate, the first `first_k_dense_replace` layers dense; an MTP layer after the last (left out)."""
-    n_layers = int(cfg["num_hidden_layers"])
+    n_layers = _layers(cfg)
     dense = int(_get(cfg, "first_k_dense_replace", default=1))
     return decoder_arch(
         cfg, generation_cfg, layer_kinds=["dense" if i < dense else "moe" for i in range(n_layers)],
@@ -266,7 +278,7 @@ def _hybrid_types(cfg: dict, n_layers: int) -> list[str]:
 
 def _hybrid_arch(cfg: dict, generation_cfg: dict | None, *, model_type: str, fused_projections: bool,
                  always_moe: bool) -> dict:
-    n_layers = int(cfg["num_hidden_layers"])
+    n_layers = _layers(cfg)
     n_experts = int(_get(cfg, "num_experts", default=0))
     if always_moe:  # Qwen3.5: every layer is MoE and top-k weights are always renormalised
         kinds, norm_topk = ["moe"] * n_layers, True
@@ -360,7 +372,7 @@ ARCHITECTURES = {
 
 def architecture_for(config: dict) -> Architecture:
     model_type = config.get("model_type")
-    if model_type not in ARCHITECTURES:
+    if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
         raise UnsupportedModel(f"model_type {model_type!r} is not supported "
                                f"(supported: {', '.join(sorted(ARCHITECTURES))})")
     return ARCHITECTURES[model_type]

@@ -50,6 +50,23 @@ class TensorInfo:
         return n
 
 
+def read_json_object(path: Path) -> dict:
+    """A JSON file that must hold an object (config.json, an index); anything else is a CheckpointError."""
+    try:
+        value = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: JSON nested too deeply") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, found {type(value).__name__}")
+    return value
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     """Tensor descriptors of one safetensors file, checked against its size; reads only the header."""
     size = path.stat().st_size
@@ -64,12 +81,21 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
             meta = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{path}: header is not JSON ({e})") from None
+        except RecursionError:
+            raise CheckpointError(f"{path}: header JSON nested too deeply") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: header is not a JSON object")
     base, out = 8 + n, {}
     for name, v in meta.items():
         if name == "__metadata__":
             continue
-        begin, end = v["data_offsets"]
-        dtype, shape = v["dtype"], tuple(v["shape"])
+        offsets = v.get("data_offsets") if isinstance(v, dict) else None
+        dtype, shape = (v.get("dtype"), v.get("shape")) if isinstance(v, dict) else (None, None)
+        if not (isinstance(dtype, str) and isinstance(shape, list) and all(_is_count(s) for s in shape)
+                and isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
+                and offsets[0] <= offsets[1]):
+            raise CheckpointError(f"{path}: {name} is not a tensor entry (dtype, shape, data_offsets)")
+        (begin, end), shape = offsets, tuple(shape)
         info = TensorInfo(name, dtype, shape, path, base + begin, base + end)
         if dtype in DTYPE_BYTES and info.nbytes != info.numel * DTYPE_BYTES[dtype]:
             raise CheckpointError(f"{path}: {name} has {info.nbytes} bytes for {dtype} {list(shape)}")
@@ -111,10 +137,7 @@ class Checkpoint:
         config_path = self.directory / "config.json"
         if not config_path.is_file():
             raise CheckpointError(f"{self.directory}: no config.json (not a Hugging Face checkpoint?)")
-        try:
-            self.config = json.loads(config_path.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{config_path}: not valid JSON ({e})") from None
+        self.config = read_json_object(config_path)
         self.files = self._weight_files()
         self.tensors: dict[str, TensorInfo] = {}
         for f in self.files:
@@ -127,8 +150,13 @@ class Checkpoint:
         d = self.directory
         index = d / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            weight_map = read_json_object(index).get("weight_map", {})
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise CheckpointError(f"{index}: weight_map is not an object of tensor names to file names")
             names = sorted(set(weight_map.values()))
+            outside = [n for n in names if Path(n).name != n or n in ("", ".", "..")]
+            if outside:  # a shard must be a file in this directory, never a path out of it
+                raise CheckpointError(f"{index}: shard {outside[0]!r} is not a file name in {d}")
             missing = [n for n in names if not (d / n).is_file()]
             if missing:
                 raise CheckpointError(f"{d}: the index names shards that are missing: {', '.join(missing[:3])}"

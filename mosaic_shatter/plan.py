@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from mosaic_runtime.vault.format import (PROJECTIONS, QuantType, ScaleDtype, encode_meta, plan_header,
                                          projection_shape, record_layout)
 
-from .architectures import Architecture, Role, architecture_for
+from .architectures import Architecture, Role, UnsupportedModel, architecture_for
 from .checkpoint import DTYPE_BYTES, Checkpoint, TensorInfo
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
@@ -112,9 +112,10 @@ class Plan:
 def _generation_config(ckpt: Checkpoint) -> dict | None:
     path = ckpt.directory / "generation_config.json"
     try:
-        return json.loads(path.read_text()) if path.is_file() else None
-    except json.JSONDecodeError:
+        value = json.loads(path.read_bytes()) if path.is_file() else None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return None
+    return value if isinstance(value, dict) else None
 
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -139,8 +140,15 @@ def make_plan(ckpt: Checkpoint, keep: frozenset[str] = frozenset()) -> Plan:
         UnsupportedModel: the model_type has no entry in the architecture table.
     """
     architecture = architecture_for(ckpt.config)
-    arch = architecture.arch_block(ckpt.config, _generation_config(ckpt))
+    try:
+        arch = architecture.arch_block(ckpt.config, _generation_config(ckpt))
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, ArithmeticError) as e:
+        # the family's fields read from a config.json that does not hold them as that family writes them
+        what = f"missing {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+        raise UnsupportedModel(f"config.json is not a well-formed {architecture.model_type} config ({what})") from None
     qcfg = ckpt.config.get("quantization_config") or {}
+    if not isinstance(qcfg, dict):
+        raise UnsupportedModel("config.json: quantization_config is not an object")
     plan = Plan(architecture, arch, {"files": len(ckpt.files), "quant_method": qcfg.get("quant_method")})
     problems = plan.problems
     if qcfg and qcfg.get("quant_method") != "fp8":

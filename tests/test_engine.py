@@ -212,8 +212,8 @@ def test_sampling_is_seeded_and_stop_strings_cut(chat_dir):
 def test_template_sandbox_refuses_unsafe_code(chat_dir):
     engine = Engine.open(chat_dir, max_seq=128)
     engine.codec.chat_template = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
-    from jinja2.exceptions import SecurityError
-    with pytest.raises(SecurityError):
+    from mosaic_runtime.generate import ChatTemplateError
+    with pytest.raises(ChatTemplateError, match="SecurityError"):
         engine.codec.render_chat([])
 
 
@@ -295,3 +295,42 @@ def test_a_record_preload_could_not_read_is_reported_when_a_layer_needs_it(model
     bad = first_read_error(engine)
     assert bad is not None and (bad.layer, bad.expert) == (1, 3)
     assert (1, 3) not in engine.store.policy.where
+
+
+def test_two_engines_keep_their_own_thread_settings(model_dir, monkeypatch):
+    """Threads are per engine, not per process: opening a second engine does not change the first's."""
+    from mosaic_runtime import ops
+    from mosaic_runtime.models import native_step
+    seen = []
+    monkeypatch.setattr(native_step, "threads", lambda: seen.append(ops.threads()) or ops.threads())
+    with Engine.open(model_dir, max_seq=64, threads=1) as one, Engine.open(model_dir, max_seq=64, threads=2) as two:
+        for engine, want in ((one, 1), (two, 2), (one, 1)):
+            seen.clear()
+            list(engine.generate_ids(PROMPT, max_new_tokens=3))
+            assert seen and set(seen) == {want}
+    assert ops.threads() == (os.cpu_count() or 1)  # nothing leaks out of the engines' calls
+
+
+def test_an_engine_busy_in_another_thread_refuses_a_request(model_dir):
+    import threading
+    with Engine.open(model_dir, max_seq=64) as engine:
+        tokens = engine.generate_ids(PROMPT, max_new_tokens=8)
+        next(tokens)  # this thread holds the engine until the generation ends
+        errors = []
+        other = threading.Thread(target=lambda: errors.append(_refusal(engine)))
+        other.start()
+        other.join()
+        assert errors and "another thread" in errors[0]
+        tokens.close()  # the generation ends: the other thread may run now
+        other = threading.Thread(target=lambda: errors.append(engine.logits(PROMPT).shape))
+        other.start()
+        other.join()
+        assert errors[1][0] == len(PROMPT)
+
+
+def _refusal(engine) -> str:
+    try:
+        engine.logits(PROMPT)
+    except RuntimeError as e:
+        return str(e)
+    return "no refusal"
