@@ -303,6 +303,8 @@ void init_io(nb::module_& m) {
       .def_prop_ro("slot_bytes", &ExpertRing::slot_bytes)
       .def_prop_ro("address", [](const ExpertRing& r) { return reinterpret_cast<uintptr_t>(r.memory()); })
       .def_prop_ro("fell_back", &ExpertRing::fell_back)
+      .def("inject_faults", &ExpertRing::inject_faults, nb::arg("count"), nb::arg("error"),
+           "tests only: the next `count` reads fail with errno `error`, or come back short when it is 0")
       .def_prop_ro("bytes_read", &ExpertRing::bytes_read)
       .def("view", [](nb::handle self) {
             // The whole ring as a uint8 array [n_slots, slot_bytes] (no copy; keeps the ring alive).

@@ -90,6 +90,15 @@ bool ExpertRing::expedite(uint64_t i) {
 bool ExpertRing::read_all(const Request& r, ReadFailure& f) {
   f = {0, false, r.offset, 0, r.length};
   uint8_t* dst = slot(r.slot);
+  if (faults_left_.load(std::memory_order_relaxed) > 0 && faults_left_.fetch_sub(1) > 0) {  // inject_faults
+    if (fault_errno_.load() != 0) {
+      f.error = fault_errno_.load();
+      return false;
+    }
+    const ssize_t got = pread(buffered_fd_, dst, r.length / 2, static_cast<off_t>(r.offset));
+    f.done = got > 0 ? static_cast<uint64_t>(got) : 0;
+    return false;  // as if the file ended there
+  }
   while (f.done < r.length) {
     const bool use_direct = direct_fd_ >= 0 && !fell_back_.load(std::memory_order_relaxed);
     const ssize_t got = pread(use_direct ? direct_fd_ : buffered_fd_, dst + f.done, r.length - f.done,

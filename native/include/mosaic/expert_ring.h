@@ -62,6 +62,12 @@ class ExpertRing final : public Arrivals {
 
   bool direct() const { return direct_fd_ >= 0 && !fell_back_.load(); }
   bool fell_back() const { return fell_back_.load(); }  // a Direct-I/O read was refused; buffered since
+  // Fault injection for tests (no failing device can be made where they run): the next `count` reads
+  // fail with `error` (an errno), or with error 0 come back short (half the record, then end of file).
+  void inject_faults(int count, int error) {
+    fault_errno_.store(error);
+    faults_left_.store(count);
+  }
   uint64_t bytes_read() const { return bytes_read_.load(); }
 
   // Arrivals, for the MoE driver: which slots hold usable records, and a way to sleep until one more does.
@@ -100,6 +106,7 @@ class ExpertRing final : public Arrivals {
   int demand_active_ = 0, background_active_ = 0;
   bool stop_ = false;
   std::atomic<bool> fell_back_{false};
+  std::atomic<int> faults_left_{0}, fault_errno_{0};
   std::atomic<uint64_t> bytes_read_{0};
   std::atomic<uint64_t> epoch_{0};
   mutable std::mutex mu_;
