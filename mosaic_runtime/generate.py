@@ -85,8 +85,8 @@ class TextCodec:
         """The prompt text of a conversation, rendered by the checkpoint's template in a Jinja sandbox.
 
         Raises:
-            ChatTemplateError: there is no template, or it does not parse, fails while rendering (whatever it raised),
-                or attempts what the sandbox refuses; the message says which.
+            ChatTemplateError: there is no template, or it does not parse, fails while rendering (whatever
+                it raised), or attempts what the sandbox refuses; the message says which.
         """
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; pass a plain prompt")

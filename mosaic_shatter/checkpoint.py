@@ -50,17 +50,22 @@ class TensorInfo:
         return n
 
 
-def read_json_object(path: Path) -> dict:
-    """A JSON file that must hold an object (config.json, an index); anything else is a CheckpointError."""
+def parse_json_object(raw: bytes, where: str) -> dict:
+    """JSON that must hold an object (config.json, an index, a safetensors header); anything else is a
+    CheckpointError naming `where`."""
     try:
-        value = json.loads(path.read_bytes())
+        value = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+        raise CheckpointError(f"{where}: not valid JSON ({e})") from None
     except RecursionError:
-        raise CheckpointError(f"{path}: JSON nested too deeply") from None
+        raise CheckpointError(f"{where}: JSON nested too deeply") from None
     if not isinstance(value, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, found {type(value).__name__}")
+        raise CheckpointError(f"{where}: expected a JSON object, found {type(value).__name__}")
     return value
+
+
+def read_json_object(path: Path) -> dict:
+    return parse_json_object(path.read_bytes(), str(path))
 
 
 def _is_count(v) -> bool:
@@ -77,14 +82,7 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
         (n,) = struct.unpack("<Q", head)
         if n > min(MAX_HEADER_BYTES, size - 8):
             raise CheckpointError(f"{path}: header length {n} exceeds the file or the 100 MiB limit")
-        try:
-            meta = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path}: header is not JSON ({e})") from None
-        except RecursionError:
-            raise CheckpointError(f"{path}: header JSON nested too deeply") from None
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{path}: header is not a JSON object")
+        meta = parse_json_object(f.read(n), f"{path} header")
     base, out = 8 + n, {}
     for name, v in meta.items():
         if name == "__metadata__":

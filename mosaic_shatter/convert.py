@@ -8,6 +8,7 @@ directory, whose vault has no magic and which no reader opens.
 from __future__ import annotations
 
 import datetime
+import errno
 import hashlib
 import os
 import re
@@ -199,6 +200,9 @@ def convert(source: str, out: str | os.PathLike, quant: str, *, revision: str | 
         return ConvertResult(out, header.file_size, backbone_bytes, len(keys), time.monotonic() - start)
     except DiskFull as e:
         raise ConvertError(f"disk full: {e}") from None
+    except OSError as e:  # the disk filled where space could not be reserved, or a read or write failed
+        what = "disk full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "I/O error"
+        raise ConvertError(f"{what}: {e.strerror} ({e.filename or tmp})") from None
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         hash_pool.shutdown(wait=True, cancel_futures=True)

@@ -76,3 +76,29 @@ def test_a_vault_truncated_under_an_open_engine(model_dir, tmp_path):
     assert_slots_consistent(engine)
     path.write_bytes(whole)  # the file is back: so is the engine
     assert tokens(engine) == want
+
+
+def test_a_disk_that_fills_mid_write_leaves_nothing_that_opens(tiny_dirs, tmp_path, monkeypatch):
+    """A real ENOSPC from the kernel mid-write: a 96 KiB tmpfs (mounted here when the tests may mount), on
+    which the space could not be reserved first (posix_fallocate unsupported, as on some filesystems) and
+    the free-space check is told there is room. Convert fails with one error and leaves no output and no
+    partial directory."""
+    import errno as errno_
+    import os
+    import subprocess
+    from mosaic_shatter.convert import ConvertError, convert
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        def unsupported(fd, offset, length):
+            raise OSError(errno_.EOPNOTSUPP, "Operation not supported")
+        usage = shutil.disk_usage(tmp_path)
+        monkeypatch.setattr(os, "posix_fallocate", unsupported)
+        monkeypatch.setattr(shutil, "disk_usage", lambda p: usage)
+        with pytest.raises(ConvertError, match="disk full|No space"):
+            convert(str(tiny_dirs["per-expert"]), mnt / "out", "q4", progress=False)
+        assert list(mnt.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
