@@ -105,8 +105,8 @@ def precision_settings(precision: str, kernel: str | None, backbone: str | None,
     llama.cpp's Q4_0, on AVX-512 VNNI or AVX2 (int8_isa). Without either it takes the float expert kernel
     and an int8 backbone (the float Q4 loop would be slower than int8's bytes). With a device tier the
     expert kernel stays float: an expert runs on either side depending on what the device holds, and both
-    sides must compute the same function for the tokens not to depend on the VRAM budget. On CUDA the backbone stays as stored (VRAM holds it;
-    its projections are not what limits a token there)."""
+    sides must compute the same function for the tokens not to depend on the VRAM budget. On CUDA the
+    backbone stays as stored (VRAM holds it; its projections are not what limits a token there)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
     fast = precision == "fast"

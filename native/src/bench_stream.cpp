@@ -46,7 +46,9 @@ double stream_read(const uint8_t* data, uint64_t n, int threads) {
   {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
     const uint64_t chunk = n / nt / 128 * 128, begin = t * chunk;
-    total += avx512 ? sum_avx512(data + begin, chunk) : avx2 ? sum_avx2(data + begin, chunk) : sum_scalar(data + begin, chunk);
+    total += avx512 ? sum_avx512(data + begin, chunk)
+             : avx2 ? sum_avx2(data + begin, chunk)
+                    : sum_scalar(data + begin, chunk);
   }
   return total;
 }
