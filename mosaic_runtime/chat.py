@@ -57,7 +57,11 @@ class Conversation:
         """Stream the answer to a user message. Stopping early (an interrupted answer) keeps what was said."""
         codec, state = self.engine.codec, self.engine.model.state
         self.messages.append({"role": "user", "content": text})
-        ids, keep = self._prompt()
+        try:
+            ids, keep = self._prompt()
+        except ValueError:  # the template failed on it (ChatTemplateError): the turn never happened
+            self.messages.pop()
+            raise
         detok, answer = Detokenizer(codec), []
         stop = [i for i in (codec.token_id(codec.special.get("eos_token")),) if i is not None]
         try:

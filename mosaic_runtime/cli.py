@@ -163,7 +163,7 @@ def chat(model, system, temperature, top_p, max_tokens, ram_budget, io, max_seq,
             except VaultError as e:  # a record that fails its check: the vault is damaged, not the turn
                 click.echo(f"mosaic: {e}; check the whole vault with: mosaic-shatter verify {model}", err=True)
                 sys.exit(1)
-            except ValueError as e:  # the conversation outgrew max_seq
+            except ValueError as e:  # the conversation outgrew max_seq, or the chat template failed on it
                 click.echo(f"mosaic: {e}; /reset to start over", err=True)
 
 

@@ -99,6 +99,23 @@ def test_a_corrupted_record_is_one_line_and_a_verify_hint(dirs, tmp_path):
     assert len(lines) == 1 and "CRC" in lines[0] and f"mosaic-shatter verify {bad}" in lines[0]
 
 
+def test_a_failing_chat_template_is_one_line_and_the_chat_goes_on(dirs, tmp_path):
+    import json
+    import shutil
+    _, model = dirs
+    bad = tmp_path / "bad"
+    shutil.copytree(model, bad)
+    cfg = json.loads((bad / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{{ 1 / 0 }}"
+    (bad / "tokenizer_config.json").write_text(json.dumps(cfg))
+    res = subprocess.run([*CHAT, str(bad), "--max-tokens", "2"], input="hi\n/stats\n", capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0 and "Traceback" not in res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "chat template failed: ZeroDivisionError" in lines[0]
+    assert "precision" in res.stdout  # the next command still ran
+
+
 def test_a_checkpoint_directory_gets_the_convert_command(dirs):
     ckpt, _ = dirs
     res = subprocess.run([*CHAT, str(ckpt)], capture_output=True, text=True, timeout=60)
