@@ -98,6 +98,8 @@ class TextCodec:
             raise ChatTemplateError(f"chat template, line {e.lineno}: {e.message}") from None
         except RecursionError:
             raise ChatTemplateError("chat template: nested too deeply to parse") from None
+        except Exception as e:  # noqa: BLE001 - Jinja can emit Python that does not compile ({{ m['a':] }})
+            raise ChatTemplateError(f"chat template could not be compiled: {type(e).__name__}: {e}") from None
         try:
             return template.render(messages=messages, add_generation_prompt=True, **special)
         except RecursionError:

@@ -95,6 +95,7 @@ def test_probe_reports_a_hostile_config_in_one_line(tmp_path):
     ("{{ 1 / 0 }}", "ZeroDivisionError"),
     ("{{ messages.append(1) }}", "SecurityError|unsafe"),       # the immutable sandbox
     ("{% for %}", "line 1"),
+    ("{{ m['content', :] }}", "could not be compiled"),   # Jinja emits Python that does not compile
     ("", "no chat template"),
 ])
 def test_a_failing_chat_template_is_one_clear_error(template, what):
