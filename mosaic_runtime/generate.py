@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -29,10 +30,11 @@ class ChatTemplateError(ValueError):
     """A chat template that failed to render: its syntax, what it did, or what the sandbox refused."""
 
 
+@functools.lru_cache(maxsize=1)
 def _sandbox():
     """Jinja's immutable sandbox (no attribute writes, no unsafe calls, range() capped), also refusing
     operations whose result alone would exhaust memory: a string or list repeated, or a power, past a
-    bound no chat template needs."""
+    bound no chat template needs. Built once: every turn renders through it."""
     from jinja2.exceptions import SecurityError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 

@@ -35,7 +35,8 @@ _THREADS: contextvars.ContextVar[int] = contextvars.ContextVar("mosaic_threads",
 def using_threads(n: int):
     """Run the native kernels (and torch's ops) called inside on n threads."""
     token = _THREADS.set(n)
-    torch.set_num_threads(n)  # torch's own setting is per process: taken again by every forward pass
+    if torch.get_num_threads() != n:  # torch's own setting is per process: taken again when another changed it
+        torch.set_num_threads(n)
     try:
         yield
     finally:
