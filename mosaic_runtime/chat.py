@@ -6,15 +6,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from .generate import Detokenizer
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+from .prompt_cache import common_prefix
 
 
 class Conversation:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import click
 
-from .vault.format import VAULT_FILE, VaultError
+from .model_store import list_models, models_dir, resolve_model
+from .vault.format import VaultError
 
 HELP = "/reset starts over, /stats shows the cache and speed, /quit leaves (Ctrl-C stops an answer)"
 
@@ -25,18 +26,6 @@ def parse_size(text: str | None) -> int | None:
     if not m:
         raise click.BadParameter(f"{text!r} is not a size such as 8G or 512M")
     return int(float(m.group(1)) * 1024 ** " KMGT".index((m.group(2) or " ").upper()))
-
-
-def not_a_model_dir(path: Path) -> str | None:
-    """Why path cannot be chatted with, with the command that fixes it; None if it is a model directory."""
-    if (path / VAULT_FILE).is_file():
-        return None
-    if (path / "config.json").is_file():
-        out = path.with_name(path.name + "-q4")
-        return (f"{path} is a Hugging Face checkpoint, not a Mosaic model directory. Convert it once with:\n"
-                f"  mosaic-shatter convert {path} -o {out} --quant q4\n"
-                f"then run: mosaic chat {out}")
-    return f"{path} holds no {VAULT_FILE}: give a directory written by `mosaic-shatter convert`"
 
 
 def format_stats(engine) -> str:
@@ -76,7 +65,7 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("model", type=click.Path(path_type=Path))
+@click.argument("model")
 @click.option("--system", help="system message that opens the conversation")
 @click.option("--temperature", type=float, default=0.7, show_default=True, help="0 is greedy")
 @click.option("--top-p", type=float, default=0.9, show_default=True)
@@ -99,14 +88,14 @@ def main() -> None:
 @click.option("--threads", type=int, help="threads for the kernels (default: every core)")
 def chat(model, system, temperature, top_p, max_tokens, ram_budget, io, max_seq, seed, exact, backbone, kernel,
          kv_dtype, threads) -> None:
-    """Chat with a model directory written by `mosaic-shatter convert`."""
+    """Chat with MODEL: a directory written by `mosaic-shatter convert`, or a name in the store (`mosaic list`)."""
     from .chat import Conversation
     from .engine import Engine
 
-    model = model.expanduser()
-    why = not_a_model_dir(model)
-    if why:
-        click.echo(f"mosaic: {why}", err=True)
+    try:
+        model = resolve_model(model)
+    except LookupError as e:
+        click.echo(f"mosaic: {e}", err=True)
         sys.exit(2)
     try:
         engine = Engine.open(model, ram_budget=parse_size(ram_budget), io=io, threads=threads, max_seq=max_seq,
@@ -165,6 +154,47 @@ def chat(model, system, temperature, top_p, max_tokens, ram_budget, io, max_seq,
                 sys.exit(1)
             except ValueError as e:  # the conversation outgrew max_seq, or the chat template failed on it
                 click.echo(f"mosaic: {e}; /reset to start over", err=True)
+
+
+@main.command(name="list")
+def list_cmd() -> None:
+    """The model store (MOSAIC_HOME, default ~/.cache/mosaic): what `mosaic chat NAME` and `mosaic serve` find."""
+    models = list_models()
+    if not models:
+        click.echo(f"the store ({models_dir()}) is empty; convert a model into it with: "
+                   "mosaic-shatter convert SOURCE --quant q4")
+        return
+    rows = [("NAME", "FAMILY", "QUANT", "VAULT", "BACKBONE", "SOURCE")]
+    rows += [(m.name, m.model_type, m.quant, f"{m.vault_bytes / 2**30:.2f} GiB", f"{m.backbone_bytes / 2**30:.2f} GiB",
+              m.source) for m in models]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+
+
+@main.command()
+@click.argument("models", nargs=-1)
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on (loopback by default)")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--api-key", envvar="MOSAIC_API_KEY", help="require this key (Authorization: Bearer or x-api-key); "
+              "also from MOSAIC_API_KEY")
+@click.option("--max-seq", type=int, default=8192, show_default=True,
+              help="context in tokens; a longer prompt is refused with a 400")
+@click.option("--ram-budget", help="bytes for the expert ring, such as 8G (default: from available memory)")
+@click.option("--io", type=click.Choice(["direct", "buffered"]), help="expert reads (default: buffered)")
+@click.option("--exact", is_flag=True, help="float kernels on the backbone as stored instead of the fast default")
+@click.option("--kv-dtype", type=click.Choice(["float32", "bfloat16", "int8"]), default="float32", show_default=True,
+              help="what the KV cache holds: bfloat16 and int8 take a half and a quarter of the memory")
+@click.option("--threads", type=int, help="threads for the kernels (default: every core)")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning"]), default="info", show_default=True)
+def serve(models, host, port, api_key, max_seq, ram_budget, io, exact, kv_dtype, threads, log_level) -> None:
+    """Serve MODELS (directories or store names; default: the whole store) over the OpenAI and Anthropic
+    protocols, with a web chat at http://HOST:PORT/."""
+    from .serve.main import run_server
+
+    sys.exit(run_server(list(models), host=host, port=port, api_key=api_key, max_seq=max_seq,
+                        ram_budget=parse_size(ram_budget), io=io, exact=exact, kv_dtype=kv_dtype, threads=threads,
+                        log_level=log_level))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from . import _native
 from .backbone import BACKBONE_MODES, on_huge_pages, prepare_backbone
 from .cache.store import ExpertStore
 from .experts import NativeExperts, TorchExperts
-from .generate import Detokenizer, TextCodec, sample
+from .generate import Detokenizer, StopText, TextCodec, sample
 from .models import build_model, model_recipe
 from .models.state import SequenceState
 from .limits import MemoryLimit, memory_limit
@@ -348,24 +348,15 @@ class Engine:
             ids = self.codec.encode(self.codec.render_chat(list(prompt)))
         else:
             ids = list(prompt)
-        stop = [s for s in stop or () if s]
-        hold = max((len(s) for s in stop), default=1) - 1  # a stop string may be arriving: hold its length back
-        detok, text, sent = Detokenizer(self.codec), "", 0
+        cut, detok = StopText(stop), Detokenizer(self.codec)
         tokens = self.generate_ids(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                    top_k=top_k, seed=seed)
         for token in tokens:
-            text += detok.push(token)
-            hits = [text.find(s, max(0, sent - len(s))) for s in stop]
-            if any(h >= 0 for h in hits):
-                end = min(h for h in hits if h >= 0)
-                if end > sent:
-                    yield text[sent:end]
+            out = cut.push(detok.push(token))
+            if out:
+                yield out
+            if cut.stopped is not None:
                 return
-            if len(text) - hold > sent:
-                yield text[sent:len(text) - hold]
-                sent = len(text) - hold
-        text += detok.flush()
-        ends = [text.find(s, max(0, sent - len(s))) for s in stop]
-        end = min([e for e in ends if e >= 0], default=len(text))
-        if end > sent:
-            yield text[sent:end]
+        out = cut.finish(detok.flush())
+        if out:
+            yield out

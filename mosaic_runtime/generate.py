@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -51,7 +52,22 @@ def _sandbox():
                 raise SecurityError(f"the template raises to the power {right}")
             return super().call_binop(context, operator, left, right)
 
-    return Sandbox(trim_blocks=True, lstrip_blocks=True)
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True)
+    # What Hugging Face's apply_chat_template gives templates, which real templates call: a tojson that
+    # does not HTML-escape (Jinja's own writes '<' as \u003c), raise_exception, and strftime_now.
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(str(fmt))
+    return env
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message):
+    from jinja2.exceptions import TemplateError
+    raise TemplateError(str(message))
 
 
 _MAX_REPEAT = 1 << 20
@@ -83,8 +99,17 @@ class TextCodec:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict]) -> str:
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template reads a `tools` list (the checkpoint's own tool-call format)."""
+        return bool(self.chat_template) and "tools" in self.chat_template
+
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """The prompt text of a conversation, rendered by the checkpoint's template in a Jinja sandbox.
+
+        messages are in the form Hugging Face templates take: {"role", "content"}, an assistant's
+        "tool_calls" [{"type": "function", "function": {"name", "arguments"}}], and "tool" results. tools
+        (OpenAI's {"type": "function", "function": {...}} form) are passed on when given.
 
         Raises:
             ChatTemplateError: there is no template, or it does not parse, fails while rendering (whatever
@@ -103,7 +128,8 @@ class TextCodec:
         except Exception as e:  # noqa: BLE001 - Jinja can emit Python that does not compile ({{ m['a':] }})
             raise ChatTemplateError(f"chat template could not be compiled: {type(e).__name__}: {e}") from None
         try:
-            return template.render(messages=messages, add_generation_prompt=True, **special)
+            extra = {"tools": tools} if tools else {}
+            return template.render(messages=messages, add_generation_prompt=True, **special, **extra)
         except RecursionError:
             raise ChatTemplateError("chat template failed: it recursed too deeply") from None
         except Exception as e:  # noqa: BLE001 - a template can raise anything its expressions can
@@ -129,3 +155,37 @@ class Detokenizer:
         text = self.codec.decode(self.ids)
         new, self.emitted = text[len(self.emitted):], text
         return new
+
+
+class StopText:
+    """Streamed text cut before the first of some stop strings (which is not returned). Holds back as many
+    characters as could be the start of a stop string still arriving."""
+
+    def __init__(self, stops: list[str] | None):
+        self.stops = [s for s in stops or () if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text, self.sent = "", 0
+        self.stopped: str | None = None  # the stop string that ended the text
+
+    def push(self, piece: str) -> str:
+        """Add a piece; return what can be released now (nothing more once a stop string was seen)."""
+        if self.stopped is not None:
+            return ""
+        self.text += piece
+        hits = [(self.text.find(s, max(0, self.sent - len(s))), s) for s in self.stops]
+        hits = [(at, s) for at, s in hits if at >= 0]
+        if hits:
+            end, self.stopped = min(hits)
+            return self._release(end)
+        return self._release(len(self.text) - self.hold)
+
+    def finish(self, piece: str = "") -> str:
+        """The end of the text: the last piece, and everything held back."""
+        out = self.push(piece)
+        return out if self.stopped is not None else out + self._release(len(self.text))
+
+    def _release(self, end: int) -> str:
+        if end <= self.sent:
+            return ""
+        out, self.sent = self.text[self.sent:end], end
+        return out

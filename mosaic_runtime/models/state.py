@@ -4,10 +4,23 @@ that size before allocating it (bytes_for), so the engine gives the expert ring 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..kv_cache import KVCache
 from ..recipe import Attention, ModelRecipe
+
+
+@dataclass(frozen=True)
+class StateSnapshot:
+    length: int
+    conv: torch.Tensor | None
+    recurrent: torch.Tensor | None
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.conv, self.recurrent) if t is not None)
 
 
 class SequenceState:
@@ -41,6 +54,23 @@ class SequenceState:
             self.conv.zero_()
             self.recurrent.zero_()
         self.length = 0
+
+    def snapshot(self) -> "StateSnapshot":
+        """What restore() needs to bring the state back to its present length: the recurrent layers' state
+        copied (it cannot be cut back); the KV cache is not copied, its positions below length stay valid
+        as long as the caller feeds nothing different before them."""
+        if self.recurrent is None:
+            return StateSnapshot(self.length, None, None)
+        return StateSnapshot(self.length, self.conv.clone(), self.recurrent.clone())
+
+    def restore(self, snap: "StateSnapshot") -> None:
+        """Back to a snapshot taken of this state, whose tokens the KV cache still holds (see snapshot)."""
+        if snap.length > self.length:
+            raise ValueError(f"a snapshot at {snap.length} tokens cannot restore a state holding {self.length}")
+        if self.recurrent is not None:
+            self.conv.copy_(snap.conv)
+            self.recurrent.copy_(snap.recurrent)
+        self.length = snap.length
 
     @property
     def state_bytes(self) -> int:

@@ -1,0 +1,143 @@
+"""Tool calls in a model's streamed output: Qwen3's (and Hermes') `<tool_call>{"name", "arguments"}</tool_call>`
+blocks, separated from the text around them as the text arrives."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict
+    id: str
+
+    @property
+    def arguments_json(self) -> str:
+        return json.dumps(self.arguments, ensure_ascii=False)
+
+
+def call_id(prefix: str = "call_") -> str:
+    return prefix + secrets.token_hex(12)
+
+
+def parse_call(body: str, id_prefix: str = "call_") -> ToolCall | None:
+    """A block's JSON as a call, or None when it is not one ({"name": str, "arguments": object or its JSON})."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None
+    args = value.get("arguments", value.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(value["name"], args, call_id(id_prefix))
+
+
+class ToolCallStream:
+    """Feeds on text pieces; gives back plain text (str) and ToolCall items in order.
+
+    Holds back what could be the start of `<tool_call>`, and whitespace that may only separate calls. A
+    block whose JSON is not a call comes back as the text it was, tags included: nothing the model said is
+    lost. A block left open when the output ends is parsed as if closed (a model cut short by max_tokens, or
+    one that forgets the closing tag)."""
+
+    def __init__(self, id_prefix: str = "call_"):
+        self.id_prefix = id_prefix
+        self.pending = ""  # text not yet given back
+        self.inside = False  # within a block: pending is its body so far
+        self.calls = 0
+        self._space = ""  # whitespace after the last text, given back only if more text follows
+        self._after_call = False
+        self._before = ""  # whitespace held before the open block, given back if it is not a call
+
+    def push(self, piece: str) -> list[str | ToolCall]:
+        self.pending += piece
+        out: list[str | ToolCall] = []
+        while True:
+            if self.inside:
+                end = self.pending.find(CLOSE)
+                if end < 0:
+                    return out
+                self._close(self.pending[:end], out, closed=True)
+                self.pending = self.pending[end + len(CLOSE):]
+            else:
+                start = self.pending.find(OPEN)
+                if start < 0:
+                    keep = _partial_suffix(self.pending, OPEN)
+                    self._text(self.pending[:len(self.pending) - keep], out)
+                    self.pending = self.pending[len(self.pending) - keep:]
+                    return out
+                self._text(self.pending[:start], out)
+                self._before, self._space = self._space, ""  # whitespace before a call only separates it
+                self.pending, self.inside = self.pending[start + len(OPEN):], True
+
+    def finish(self) -> list[str | ToolCall]:
+        out: list[str | ToolCall] = []
+        if self.inside:
+            self._close(self.pending, out, closed=False)
+        else:
+            self._text(self.pending, out)
+            if not self.calls and self._space:
+                out.append(self._space)
+        self.pending, self.inside, self._space = "", False, ""
+        return out
+
+    def _text(self, text: str, out: list) -> None:
+        if self._after_call:  # whitespace after a call only separates it
+            text = text.lstrip()
+        if not text:
+            return
+        self._after_call = False
+        body = text.rstrip()
+        if body:
+            out.append(self._space + body)
+            self._space = text[len(body):]
+        else:
+            self._space += text
+
+    def _close(self, body: str, out: list, closed: bool) -> None:
+        self.inside = False
+        # An unclosed block may lack its last braces as well as its closing tag.
+        tails = ("",) if closed else ("", "}", "}}")
+        call = next(filter(None, (parse_call(body.strip() + tail, self.id_prefix) for tail in tails)), None)
+        if call is None:
+            self._text(self._before + OPEN + body + (CLOSE if closed else ""), out)
+            return
+        self.calls += 1
+        self._space, self._after_call = "", True
+        out.append(call)
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of tag."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+class AnswerParts:
+    """A generation's text as protocol parts: text and tool calls when the request parses tools, else text.
+    forced: what the server put at the start of the answer (a tool call's opening, for tool_choice)."""
+
+    def __init__(self, parse_tools: bool, forced: str = "", id_prefix: str = "call_"):
+        self.stream = ToolCallStream(id_prefix) if parse_tools else None
+        if self.stream is not None and forced:
+            self.stream.push(forced)
+
+    def push(self, text: str) -> list[str | ToolCall]:
+        return self.stream.push(text) if self.stream is not None else [text] if text else []
+
+    def finish(self) -> list[str | ToolCall]:
+        return self.stream.finish() if self.stream is not None else []
