@@ -186,15 +186,21 @@ def list_cmd() -> None:
 @click.option("--kv-dtype", type=click.Choice(["float32", "bfloat16", "int8"]), default="float32", show_default=True,
               help="what the KV cache holds: bfloat16 and int8 take a half and a quarter of the memory")
 @click.option("--threads", type=int, help="threads for the kernels (default: every core)")
+@click.option("--prompt-cache/--no-prompt-cache", default=True, show_default=True,
+              help="prefill only what a request adds to the conversation the engine holds")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning"]), default="info", show_default=True)
-def serve(models, host, port, api_key, max_seq, ram_budget, io, exact, kv_dtype, threads, log_level) -> None:
+def serve(models, host, port, api_key, max_seq, ram_budget, io, exact, kv_dtype, threads, prompt_cache,
+          log_level) -> None:
     """Serve MODELS (directories or store names; default: the whole store) over the OpenAI and Anthropic
     protocols, with a web chat at http://HOST:PORT/."""
-    from .serve.main import run_server
-
+    try:
+        from .serve.main import run_server
+    except ImportError as e:
+        click.echo(f"mosaic: serve needs its extra ({e.name} is missing): pip install 'mosaic[serve]'", err=True)
+        sys.exit(2)
     sys.exit(run_server(list(models), host=host, port=port, api_key=api_key, max_seq=max_seq,
                         ram_budget=parse_size(ram_budget), io=io, exact=exact, kv_dtype=kv_dtype, threads=threads,
-                        log_level=log_level))
+                        prompt_cache=prompt_cache, log_level=log_level))
 
 
 if __name__ == "__main__":

@@ -25,8 +25,8 @@ class PromptCache:
     tell the cache (prompt_fed, fed); a state changed behind its back is noticed by its length and dropped.
     """
 
-    def __init__(self, state: SequenceState, max_snapshots: int = 4):
-        self.state, self.max_snapshots = state, max_snapshots
+    def __init__(self, state: SequenceState, max_snapshots: int = 4, enabled: bool = True):
+        self.state, self.max_snapshots, self.enabled = state, max_snapshots, enabled
         self.ids: list[int] = []
         self.snapshots: list[StateSnapshot] = []
 
@@ -35,7 +35,7 @@ class PromptCache:
         logits the request needs); return its length."""
         if not ids:
             raise ValueError("a request needs at least one token")
-        if len(self.ids) != self.state.length:  # refilled or reset by someone else: nothing is known
+        if not self.enabled or len(self.ids) != self.state.length:  # off, or refilled by someone else
             self.ids, self.snapshots = [], []
         shared = min(common_prefix(self.ids, ids), len(ids) - 1)
         keep = shared

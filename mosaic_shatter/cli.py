@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 
+from mosaic_runtime.model_store import models_dir, store_name
 from mosaic_runtime.vault.format import QUANT_NAMES, VaultError
 
 from .architectures import OPTIONAL_PARTS, UnsupportedModel
@@ -147,7 +149,8 @@ def probe(source, revision, as_json, keep):
 
 @main.command(name="convert")
 @click.argument("source")
-@click.option("-o", "--out", required=True, type=click.Path(), help="Output model directory.")
+@click.option("-o", "--out", type=click.Path(),
+              help="Output model directory (default: the model store, MOSAIC_HOME/models/NAME-QUANT).")
 @click.option("--quant", required=True, type=click.Choice(sorted(QUANT_NAMES)), help="Expert quantisation.")
 @click.option("--revision", help="Revision, when SOURCE is a repo id in the Hub cache.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists (only once the new one is complete).")
@@ -155,7 +158,9 @@ def probe(source, revision, as_json, keep):
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @_KEEP
 def convert_cmd(source, out, quant, revision, force, workers, quiet, keep):
-    """Convert SOURCE (a checkpoint directory or a cached repo id) into OUT."""
+    """Convert SOURCE (a checkpoint directory or a cached repo id) into OUT, or into the model store."""
+    if out is None:
+        out = models_dir() / store_name(source, quant)
     try:
         result = convert(source, out, quant, revision=revision, workers=workers, force=force,
                          progress=not quiet, keep=frozenset(keep))
@@ -165,6 +170,8 @@ def convert_cmd(source, out, quant, revision, force, workers, quiet, keep):
         _fail("interrupted; nothing was written to the output path", 130)
     click.echo(f"wrote {result.out}: {result.records} expert records, vault {_size(result.vault_bytes)}, "
                f"backbone {_size(result.backbone_bytes)} in {result.seconds:.1f} s")
+    if Path(result.out).parent == models_dir():
+        click.echo(f"run it with: mosaic chat {Path(result.out).name}   (or mosaic serve)")
 
 
 @main.command()

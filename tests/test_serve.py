@@ -316,3 +316,22 @@ def test_an_engine_error_is_reported_and_the_server_keeps_serving(model, tmp_pat
     finally:
         log = srv.stop()
     assert "Traceback" not in log
+
+
+def test_the_model_field_picks_among_the_served_models(model, tmp_path):
+    fp8 = convert(str(BUNDLED), tmp_path / "stdlib-fp8", "fp8", progress=False).out
+    home = tmp_path / "home"
+    stored = convert(str(BUNDLED), home / "models" / "stored-q4", "q4", progress=False).out
+    srv = ServerProcess([str(model), str(fp8), "--max-seq", "256"], home)
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        assert [m.id for m in client.models.list()] == ["stdlib-q4", "stdlib-fp8", "stored-q4"]
+        for name in ("stdlib-fp8", "claude-opus-4", "stored-q4", "stdlib-q4"):
+            res = client.chat.completions.create(model=name, messages=ASK, max_tokens=3, temperature=0)
+            resident = json.loads(request(srv.url, "GET", "/health")[2])["model"]
+            # An unknown name is answered by the model already resident, and the response says which.
+            want = {"claude-opus-4": "stdlib-fp8"}.get(name, name)
+            assert res.model == resident == want
+    finally:
+        log = srv.stop()
+    assert "'claude-opus-4' is not served here; answering with stdlib-fp8" in log and stored.is_dir()

@@ -55,13 +55,13 @@ class ModelEntry:
 
 
 class Fleet:
-    def __init__(self, entries: list[ModelEntry], open_engine: Callable[[Path], Engine]):
+    def __init__(self, entries: list[ModelEntry], open_engine: Callable[[Path], Engine], prompt_cache: bool = True):
         if not entries:
             raise ValueError("no models to serve: give a model directory or a store name, or convert one into "
                              "the store with `mosaic-shatter convert SOURCE --quant q4`")
         self.entries = {e.name: e for e in entries}
         self.default = entries[0]
-        self._open = open_engine
+        self._open, self.prompt_cache = open_engine, prompt_cache
         self.resident: ModelEntry | None = None
         self.engine: Engine | None = None
         self.cache: PromptCache | None = None
@@ -83,7 +83,7 @@ class Fleet:
             self.engine = self._open(entry.path)
             if self.engine.codec is None:
                 self.engine.codec = entry.codec
-            self.resident, self.cache = entry, PromptCache(self.engine.model.state)
+            self.resident, self.cache = entry, PromptCache(self.engine.model.state, enabled=self.prompt_cache)
         return self.engine, self.cache
 
     def close(self) -> None:

@@ -43,14 +43,14 @@ def is_loopback(host: str) -> bool:
 
 def run_server(models: list[str], *, host: str, port: int, api_key: str | None, max_seq: int,
                ram_budget: int | None, io: str | None, exact: bool, kv_dtype: str, threads: int | None,
-               log_level: str) -> int:
+               prompt_cache: bool, log_level: str) -> int:
     import uvicorn
 
     logging.basicConfig(level=log_level.upper(), format="mosaic: %(message)s")
     try:
         fleet = Fleet(fleet_entries(models), lambda path: Engine.open(
             path, ram_budget=ram_budget, io=io, threads=threads, max_seq=max_seq,
-            precision="exact" if exact else "fast", kv_dtype=kv_dtype))
+            precision="exact" if exact else "fast", kv_dtype=kv_dtype), prompt_cache)
     except (LookupError, ValueError) as e:
         print(f"mosaic: {e}", file=sys.stderr)
         return 2
