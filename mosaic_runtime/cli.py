@@ -31,7 +31,14 @@ def parse_size(text: str | None) -> int | None:
 def format_stats(engine) -> str:
     s = engine.stats
     layers = ", ".join(f"{layer}: {s.hits[layer]}/{s.misses[layer]}" for layer in s.hits)
-    ring = f"ring {engine.store.ring.n_slots} of {engine.vault.header.num_records} experts, " if engine.store else ""
+    ring = ""
+    if engine.store is not None:
+        policy, valve = engine.store.policy, engine.valve
+        ring = f"ring {policy.usable} of {engine.vault.header.num_records} experts"
+        if valve is not None and valve.counters.given_back:
+            ring += (f" ({valve.counters.given_back} slots given back under memory pressure since open, "
+                     f"{valve.counters.taken_back} taken again)")
+        ring += ", "
     how = ", ".join(f"{k} {v}" for k, v in engine.settings.items())
     if engine.memory_limit is not None:
         how += f"\nmemory at open: {engine.memory_limit.available / 2**30:.2f} GiB free, bounded by {engine.memory_limit.bound}"

@@ -7,6 +7,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -16,6 +17,7 @@ from safetensors.torch import load_file
 
 from . import _native
 from .backbone import BACKBONE_MODES, on_huge_pages, prepare_backbone
+from .cache.pressure import CHECK_EVERY_S, MemoryValve
 from .cache.store import ExpertStore
 from .experts import NativeExperts, TorchExperts
 from .generate import Detokenizer, StopText, TextCodec, sample
@@ -33,6 +35,7 @@ DEFAULT_IO = "buffered"  # chosen by benchmarks/reader_bench.py: see benchmarks/
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 DEFAULT_TIER_POLICY = "decayed-frequency"  # chosen by benchmarks/routing_bench.py: see benchmarks/RESULTS.md
 MARGIN_BYTES = 1 << 30  # left for what the process allocates later (prefill activations, load-time copies)
+_WATCH = object()  # the engine's owner while the memory watch acts on it (it was idle)
 
 
 @dataclass
@@ -118,6 +121,16 @@ def precision_settings(precision: str, kernel: str | None, backbone: str | None,
     return kernel, backbone
 
 
+def _watch_idle(engine_ref: "weakref.ref[Engine]", stop: threading.Event) -> None:
+    """The memory watch thread. It holds the engine weakly: an engine dropped without close() still goes."""
+    while not stop.wait(CHECK_EVERY_S):
+        engine = engine_ref()
+        if engine is None:
+            return
+        engine._check_if_idle()
+        del engine
+
+
 class Engine:
     def __init__(self, directory: Path, vault, store, model, codec: TextCodec | None, device=None,
                  settings: dict | None = None):
@@ -126,9 +139,12 @@ class Engine:
         self.settings = settings or {}  # how it computes: precision, kernel, backbone, kv_dtype, threads
         self.threads = self.settings.get("threads") or os.cpu_count() or 1
         # One thread at a time: a generation holds the engine (its KV cache) from its first token to its end.
-        self._owner: int | None = None
-        self._owner_lock = threading.Lock()
+        self._owner: int | object | None = None  # a thread's ident, or _WATCH while the memory watch acts
+        self._owner_cv = threading.Condition()
         self.memory_limit: MemoryLimit | None = None  # what the process could take at open, and what bounded it
+        self.valve: MemoryValve | None = None  # gives ring memory back when memory runs short after open
+        self._watch_stop = threading.Event()
+        self._watch: threading.Thread | None = None
         self.stats = Stats()
         self._io_mark = self._kernel_mark = 0.0
 
@@ -136,7 +152,8 @@ class Engine:
     def open(cls, path, ram_budget: int | None = None, io: str | None = None, threads: int | None = None, *,
              max_seq: int = 4096, precision: str = "fast", kernel: str | None = None, backbone: str | None = None,
              device: str | None = None, vram_budget: int | None = None, tier_policy: str = DEFAULT_TIER_POLICY,
-             kv_dtype: str = "float32", preload: bool = True, verbose: bool = False) -> "Engine":
+             kv_dtype: str = "float32", preload: bool = True, watch_memory: bool = True,
+             verbose: bool = False) -> "Engine":
         """Open a model directory written by `mosaic-shatter convert`.
 
         Args:
@@ -173,6 +190,10 @@ class Engine:
             preload: when the ring can hold every record, read them all in the background from the start
                 (one at a time, while no layer is reading), so a model that fits in RAM soon runs with no reads.
                 It changes no result, only when records arrive.
+            watch_memory: when the memory the process may still take (MemAvailable, its cgroup, its rlimits)
+                falls below half the margin the ring was sized with, stop preload and give ring slots back to
+                the system, least recently used first; take them again when memory returns (cache/pressure.py).
+                Checked between tokens, and every CHECK_EVERY_S while the engine is idle. Speed only.
             verbose: print notices (such as a Direct-I/O fallback) to stderr.
         Raises:
             VaultError: the directory is not a complete, valid vault.
@@ -231,6 +252,13 @@ class Engine:
         engine.memory_limit = memory
         if store is not None and preload:  # after the backbone has loaded: not competing with its read
             store.preload()
+        if store is not None and watch_memory:
+            # Half the margin the ring was sized with: what the process may still take must not fall below it.
+            margin = min(MARGIN_BYTES, max(memory.available, 0) // 4) // 2
+            engine.valve = MemoryValve(store, margin, floor_slots=vault.arch["num_experts_per_tok"])
+            engine._watch = threading.Thread(target=_watch_idle, args=(weakref.ref(engine), engine._watch_stop),
+                                             name="mosaic-memory-watch", daemon=True)
+            engine._watch.start()
         if (directory / "tokenizer.json").is_file():
             engine.codec = TextCodec(directory)
         return engine
@@ -252,7 +280,8 @@ class Engine:
         """This thread's hold on the engine for one request; another thread's request meanwhile is refused
         (its sequence state would interleave with this one's)."""
         me = threading.get_ident()
-        with self._owner_lock:
+        with self._owner_cv:
+            self._owner_cv.wait_for(lambda: self._owner is not _WATCH)  # a memory check: a millisecond at most
             if self._owner not in (None, me):
                 raise RuntimeError("this Engine is running a request in another thread; use one Engine per "
                                    "thread, or finish (or close) that request first")
@@ -261,6 +290,24 @@ class Engine:
             yield
         finally:
             self._owner = outer
+
+    def _relieve(self) -> None:
+        """Between steps of a request: give ring memory back if memory ran short, or take it again."""
+        if self.valve is not None:
+            self.valve.check()
+
+    def _check_if_idle(self) -> None:
+        """The memory watch's turn: act only on an idle engine (a request checks between its own tokens)."""
+        with self._owner_cv:
+            if self._owner is not None:
+                return
+            self._owner = _WATCH
+        try:
+            self.valve.check(force=True)
+        finally:
+            with self._owner_cv:
+                self._owner = None
+                self._owner_cv.notify_all()
 
     def _sync_stats(self) -> None:
         if self.store is None:
@@ -281,6 +328,9 @@ class Engine:
         return self.vault.arch
 
     def close(self) -> None:
+        self._watch_stop.set()
+        if self._watch is not None:
+            self._watch.join()
         if self.store is not None:
             self.store.close()
         self.vault.close()
@@ -294,6 +344,7 @@ class Engine:
     def logits(self, token_ids) -> torch.Tensor:
         """float32 logits [T, vocab] of a fresh forward pass over token_ids (the KV cache is reset)."""
         with self._held():
+            self._relieve()
             return self._forward(list(token_ids), 0)
 
     def generate_ids(self, prompt_ids, *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
@@ -320,6 +371,7 @@ class Engine:
         if self.store is not None:  # io_s and kernel_s are per call; hits, misses and bytes since open
             self._io_mark, self._kernel_mark = self.store.io.io_s, self.model.experts.kernel_s
         t0 = time.perf_counter()
+        self._relieve()
         logits = self._forward(list(prompt_ids), cached)[-1]
         for n in range(max_new_tokens):
             token = sample(logits, temperature, top_p, top_k, gen)
@@ -334,6 +386,7 @@ class Engine:
                 return
             yield token
             if n + 1 < max_new_tokens:
+                self._relieve()
                 pos = self.model.state.length
                 logits = self._forward([token], pos)[-1]
 

@@ -162,7 +162,7 @@ class NativeExperts(ExpertExecutor):
         y = np.zeros_like(xs)
         # A prefill chunk may name more experts than the ring holds: run them in ascending groups that fit.
         # y accumulates task by task in the same order either way, so grouping never changes a bit.
-        group = self.store.ring.n_slots
+        group = self.store.policy.usable  # less what memory pressure took back
         for g0 in range(0, len(experts), group):
             g1 = min(g0 + group, len(experts))
             lo, hi = starts[g0], starts[g1]

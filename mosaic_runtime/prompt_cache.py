@@ -58,3 +58,8 @@ class PromptCache:
     def fed(self, ids: list[int]) -> None:
         """The state holds these tokens (as many of them as its length says)."""
         self.ids = list(ids[:self.state.length])
+
+    def forget(self) -> None:
+        """Hold nothing: the state is reset, as after a step that failed part-way through it."""
+        self.state.reset()
+        self.ids, self.snapshots = [], []

@@ -70,6 +70,14 @@ class Ring:
         """Move slot's background read, if it has not started, ahead as a demand read."""
         return self.native.expedite(slot)
 
+    def cancel(self, slot: int) -> bool:
+        """Drop slot's background read if no I/O thread has taken it (the slot is then EMPTY); whether it did."""
+        return self.native.cancel(slot)
+
+    def discard(self, slot: int) -> None:
+        """Give slot's pages back to the system (no read in progress, no record in use): it is EMPTY after."""
+        self.native.discard(slot)
+
     def wait(self, slot: int) -> SlotState:
         return SlotState(self.native.wait(slot))
 

@@ -49,6 +49,7 @@ class ExpertStore:
         # evicted), else -1. The native layer loop reads it to run a layer's experts without asking.
         self.slot_table = np.full((vault.header.num_layers, vault.header.num_experts), -1, np.int32)
         self._key_at: dict[int, tuple[int, int]] = {}  # slot -> the key placed in it
+        self._preload_stopped = False  # memory ran short: no more reads ahead of need
 
     def acquire(self, layer: int, experts: list[int]) -> list[int]:
         """Slots for the records of `experts` (in that order), pinned; missing ones are being read."""
@@ -108,7 +109,7 @@ class ExpertStore:
         layer's own reads still come first); returns how many were started (0 when the vault does not fit).
         A preloaded record is checked like any other: a failed read is retried when a layer asks for it."""
         keys = sorted(self.vault.entries, key=lambda k: self.vault.entries[k].offset)
-        if len(keys) > self.ring.n_slots:
+        if len(keys) > self.policy.usable or self._preload_stopped:
             return 0
         started = 0
         for key in keys:
@@ -119,6 +120,51 @@ class ExpertStore:
             self._preloading.append(slot)
             started += 1
         return started
+
+    def stop_preload(self) -> int:
+        """Cancel preload's reads that no I/O thread has started, for good (memory is short: nothing more is
+        read ahead of need); returns how many. Their slots are free again."""
+        self._preload_stopped = True
+        cancelled = 0
+        for slot in list(self._preloading):
+            entry = self._reading.get(slot)
+            if entry is not None and entry[1] and self.ring.cancel(slot):
+                del self._reading[slot]
+                self.policy.forget(entry[0])
+                self._key_at.pop(slot, None)
+                cancelled += 1
+        return cancelled
+
+    def shrink(self, slots: int) -> int:
+        """Give up to `slots` ring slots' memory back to the system: free ones first, then the least recently
+        used records; never a pinned slot or one being read. Returns how many were given back; they hold
+        nothing until grow() takes them again."""
+        given = 0
+        for slot in [s for s in self.policy.free if s not in self._reading]:
+            if given == slots:
+                return given
+            self.policy.disable(slot)
+            self.ring.discard(slot)
+            given += 1
+        for key, slot in self.policy.evictable(self._pinned):
+            if given == slots:
+                break
+            if slot in self._reading:
+                continue
+            del self.policy.where[key]
+            self.slot_table[key] = -1
+            self._key_at.pop(slot, None)
+            self.policy.disable(slot)
+            self.ring.discard(slot)
+            given += 1
+        return given
+
+    def grow(self, slots: int) -> int:
+        """Take back up to `slots` of the slots shrink() gave away (filled again as layers ask); how many."""
+        back = sorted(self.policy.disabled)[:slots]
+        for slot in back:
+            self.policy.enable(slot)
+        return len(back)
 
     def reap(self) -> None:
         """Account preload's reads that have landed (in the order it started them, which is the order it

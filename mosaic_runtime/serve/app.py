@@ -4,6 +4,7 @@ streaming with keepalives, and cancelling a generation whose client went away.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -95,9 +96,11 @@ class EventStream(Response):
         except OSError:
             pass  # the client went away: nothing more to send
         finally:
-            if pending is not None and not pending.done():
-                pending.cancel()
             self.on_close()
+            if pending is not None and not pending.done():
+                pending.cancel()  # and wait for it: a generator cannot be closed while it is running
+                with contextlib.suppress(BaseException):
+                    await pending
             await self.frames.aclose()
 
 
@@ -233,8 +236,9 @@ def engine_stats(fleet: Fleet) -> dict:
            "max_seq": engine.model.state.max_seq}
     if store is not None:
         record = engine.vault.header.record_bytes
-        out["ring"] = {"slots": store.ring.n_slots, "records": engine.vault.header.num_records,
-                       "bytes": store.ring.n_slots * record}
+        out["ring"] = {"slots": store.policy.usable, "records": engine.vault.header.num_records,
+                       "bytes": store.policy.usable * record,
+                       "given_back": engine.valve.counters.given_back if engine.valve else 0}
     if limit is not None:
         out["memory"] = {"available_at_open": limit.available, "bounded_by": limit.bound}
     return out

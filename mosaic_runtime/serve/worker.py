@@ -113,38 +113,45 @@ class Worker:
         room = engine.model.state.max_seq - len(job.ids)  # the answer ends where the context does
         sampling = job.entry.sampling(gen)
         stop_ids = [i for i in (codec.token_id(codec.special.get("eos_token")),) if i is not None]
-        cut, detok, answer = StopText(gen.stop), Detokenizer(codec), []
-        reason = None
         tokens = engine.generate_ids(job.ids[keep:], cached=keep, max_new_tokens=min(gen.max_tokens, room + 1),
                                      stop_ids=stop_ids, **sampling)
+        answer: list[int] = []
         try:
-            for n, token in enumerate(tokens):
-                if n == 0:
-                    cache.prompt_fed(job.ids)
-                answer.append(token)
-                out = cut.push(detok.push(token))
-                if out:
-                    job.emit(Text(out))
-                if cut.stopped is not None:
-                    reason = "stop_sequence"
-                    break
-                if job.cancelled.is_set():
-                    reason = "cancelled"
-                    break
-            else:
-                out = cut.finish(detok.flush())
-                if out:
-                    job.emit(Text(out))
-                reason = "stop_sequence" if cut.stopped is not None else \
-                    "length" if len(answer) == engine.stats.new_tokens else "stop"
+            reason, stopped = self._stream(job, engine, cache, tokens, answer)
         except VaultError as e:
+            cache.forget()  # a forward that failed part-way may have left a recurrent state half-updated
             job.emit(Failed(RequestError(f"{e}; check the vault with: mosaic-shatter verify {job.entry.path}",
                                          status=500, kind="engine")))
             return
+        except BaseException:
+            cache.forget()
+            raise
         finally:
             tokens.close()
-            cache.fed(job.ids + answer)
-        job.emit(Finished(reason, engine.stats.new_tokens, cut.stopped))
+        cache.fed(job.ids + answer)
+        job.emit(Finished(reason, engine.stats.new_tokens, stopped))
+
+    @staticmethod
+    def _stream(job: Job, engine, cache, tokens, answer: list[int]) -> tuple[str, str | None]:
+        """Emit the answer's text as its tokens come, into answer; (why it ended, the stop string if one)."""
+        cut, detok = StopText(job.gen.stop), Detokenizer(engine.codec)
+        for n, token in enumerate(tokens):
+            if n == 0:
+                cache.prompt_fed(job.ids)  # the state holds the prompt exactly: a turn boundary
+            answer.append(token)
+            out = cut.push(detok.push(token))
+            if out:
+                job.emit(Text(out))
+            if cut.stopped is not None:
+                return "stop_sequence", cut.stopped
+            if job.cancelled.is_set():
+                return "cancelled", None
+        out = cut.finish(detok.flush())
+        if out:
+            job.emit(Text(out))
+        if cut.stopped is not None:
+            return "stop_sequence", cut.stopped
+        return ("length" if len(answer) == engine.stats.new_tokens else "stop"), None  # an end of turn is counted
 
 
 def _settle(future: Future, fn) -> None:

@@ -330,6 +330,17 @@ void init_io(nb::module_& m) {
             check(i < r.n_slots(), "slot out of range");
             return r.expedite(i);
           })
+      .def("cancel", [](ExpertRing& r, uint64_t i) {
+            check(i < r.n_slots(), "slot out of range");
+            return r.cancel(i);
+          })
+      .def("discard", [](ExpertRing& r, uint64_t i) {
+            try {
+              r.discard(i);
+            } catch (const std::exception& e) {
+              throw nb::value_error(e.what());
+            }
+          })
       .def("wait", [](const ExpertRing& r, uint64_t i) {
             check(i < r.n_slots(), "slot out of range");
             nb::gil_scoped_release release;

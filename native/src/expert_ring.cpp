@@ -16,7 +16,9 @@ ExpertRing::ExpertRing(int direct_fd, int buffered_fd, uint64_t n_slots, uint64_
     : direct_fd_(direct_fd), buffered_fd_(buffered_fd), n_slots_(n_slots), slot_bytes_(slot_bytes),
       states_(new std::atomic<int32_t>[n_slots]), failures_(new ReadFailure[n_slots]) {
   demand_.items.resize(n_slots);
-  background_.items.resize(n_slots);
+  // A cancelled background request stays queued, stale, until a worker pops and skips it: room for one
+  // stale and one live request per slot.
+  background_.items.resize(2 * n_slots);
   latest_.assign(n_slots, Request{0, 0, 0, 0, 0});
   taken_.assign(n_slots, true);
   demand_generation_.assign(n_slots, 0);
@@ -77,7 +79,7 @@ bool ExpertRing::expedite(uint64_t i) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     // Taken (being read or done) or already queued as demand: nothing to do. So a slot has at most one
-    // request in each queue, and neither queue ever holds more than n_slots.
+    // live request in each queue (the background queue has room for a stale one per slot besides).
     if (taken_[i] || state(i) != SlotState::Loading || demand_generation_[i] == latest_[i].generation)
       return false;
     demand_.push(latest_[i]);
@@ -85,6 +87,27 @@ bool ExpertRing::expedite(uint64_t i) {
   }
   work_cv_.notify_one();
   return true;
+}
+
+bool ExpertRing::cancel(uint64_t i) {
+  if (i >= n_slots_) throw std::out_of_range("ExpertRing::cancel: slot out of range");
+  std::lock_guard<std::mutex> lock(mu_);
+  if (taken_[i] || state(i) != SlotState::Loading || demand_generation_[i] == latest_[i].generation) return false;
+  ++latest_[i].generation;  // its queued request is stale now: a worker that pops it skips it
+  set_state(i, SlotState::Empty);
+  return true;
+}
+
+void ExpertRing::discard(uint64_t i) {
+  if (i >= n_slots_) throw std::out_of_range("ExpertRing::discard: slot out of range");
+  const SlotState s = state(i);
+  if (s == SlotState::Loading || s == SlotState::InUse)
+    throw std::logic_error("ExpertRing::discard: slot " + std::to_string(i) + " is busy");
+  set_state(i, SlotState::Empty);
+#ifdef MADV_DONTNEED
+  // Linux frees a private anonymous page at once; elsewhere the pages may linger until the system wants them.
+  madvise(slot(i), slot_bytes_, MADV_DONTNEED);
+#endif
 }
 
 bool ExpertRing::read_all(const Request& r, ReadFailure& f) {

@@ -57,6 +57,11 @@ class ExpertRing final : public Arrivals {
   // A layer needs slot i's background read now: if it has not started, it joins the demand reads (its
   // place in the background queue is then skipped). Returns whether it did.
   bool expedite(uint64_t i);
+  // Memory pressure: drop slot i's background read if no worker has taken it (the slot is then Empty), and
+  // return whether it did; give slot i's pages back to the system (it must hold no read in progress or
+  // record in use). Its bytes read as zeros afterwards, until a read fills it again.
+  bool cancel(uint64_t i);
+  void discard(uint64_t i);
   SlotState wait(uint64_t i) const;  // block while slot i is Loading
   ReadFailure failure(uint64_t i) const { return failures_[i]; }
 
