@@ -1,11 +1,13 @@
 """SIGKILL during `mosaic-shatter convert` at random points: afterwards the output either does not exist
 or passes `mosaic-shatter verify`, and no directory that is not complete opens as a vault. A killed
-convert leaves only its hidden partial directory, which the next convert to the same output removes.
+convert leaves only its hidden partial directory, which the next run of the same convert resumes: each
+kill point's convert resumes the work the previous kills left, and a last run completes it.
 
     python benchmarks/kill_convert.py [--points 50] [--seed 0] [--source examples/stdlib-moe]
 
 Prints one JSON line: kill points tried, outputs that existed (all verified), incomplete directories that
-opened as a vault (must be 0), and partial directories left behind.
+opened as a vault (must be 0), whether the partial directory opened as a vault at any point (must not),
+and the last run: whether it verified and how many records it found already written.
 """
 
 from __future__ import annotations
@@ -59,10 +61,20 @@ def main() -> None:
                 except VaultError:
                     pass
             shutil.rmtree(out)
-        partials = len(list(Path(tmp).glob(".out.partial-*")))
+        partial = Path(tmp) / ".out.partial"
+        try:
+            open_vault(partial).close()
+            partial_opened = True
+        except (VaultError, OSError):
+            partial_opened = False
+        last = subprocess.run([*SHATTER, "convert", args.source, "-o", str(out), "--quant", "q4", "--quiet"],
+                              capture_output=True, text=True)
+        resumed = last.stdout.split("resumed: ")[1].split()[0] if "resumed: " in last.stdout else "0"
+        last_ok = last.returncode == 0 and subprocess.run([*SHATTER, "verify", str(out)], capture_output=True).returncode == 0
     print(json.dumps({"points": args.points, "convert_s": round(full_s, 2), "outputs_existed": existed,
                       "outputs_verified": verified, "incomplete_that_opened": opened_incomplete,
-                      "partial_dirs_left": partials}))
+                      "partial_opened": partial_opened, "last_run_verified": last_ok,
+                      "last_run_resumed_records": int(resumed)}))
 
 
 if __name__ == "__main__":

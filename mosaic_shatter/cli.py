@@ -13,7 +13,7 @@ from mosaic_runtime.vault.format import QUANT_NAMES, VaultError
 
 from .architectures import OPTIONAL_PARTS, UnsupportedModel
 from .checkpoint import Checkpoint, CheckpointError
-from .convert import ConvertError, convert, needed_disk_bytes
+from .convert import ConvertError, ConvertInterrupted, convert, needed_disk_bytes
 from .plan import Plan, make_plan
 
 WORKERS = 2
@@ -164,12 +164,16 @@ def convert_cmd(source, out, quant, revision, force, workers, quiet, keep):
     try:
         result = convert(source, out, quant, revision=revision, workers=workers, force=force,
                          progress=not quiet, keep=frozenset(keep))
+    except ConvertInterrupted as e:
+        _fail(str(e), 130)
     except (CheckpointError, UnsupportedModel, ConvertError) as e:
         _fail(str(e))
-    except KeyboardInterrupt:
-        _fail("interrupted; nothing was written to the output path", 130)
+    except KeyboardInterrupt:  # before the convert began writing
+        _fail("interrupted; nothing was written", 130)
     click.echo(f"wrote {result.out}: {result.records} expert records, vault {_size(result.vault_bytes)}, "
-               f"backbone {_size(result.backbone_bytes)} in {result.seconds:.1f} s")
+               f"backbone {_size(result.backbone_bytes)} in {result.seconds:.1f} s"
+               + (f" (resumed: {result.resumed_records} records were already written)" if result.resumed_records
+                  else ""))
     if Path(result.out).parent == models_dir():
         click.echo(f"run it with: mosaic chat {Path(result.out).name}   (or mosaic serve)")
 

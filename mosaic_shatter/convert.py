@@ -1,13 +1,14 @@
-"""Convert a checkpoint into a model directory (vault + backbone + tokenizer files), atomically.
+"""Convert a checkpoint into a model directory (vault + backbone + tokenizer files), atomically, resumably.
 
-Everything is written into a hidden sibling directory `.NAME.partial-PID`, which is renamed to NAME
-only when every file is complete and synced; an interrupted convert leaves at most that partial
-directory, whose vault has no magic and which no reader opens.
+Everything is written into a hidden sibling directory `.NAME.partial` (partial.py), which is renamed to
+NAME only when every file is complete and synced. An interrupted, killed or failed convert leaves only
+that directory, whose vault has no magic and which no reader opens; the same convert run again resumes
+from it.
 """
 
 from __future__ import annotations
 
-import datetime
+import contextlib
 import errno
 import hashlib
 import os
@@ -32,15 +33,22 @@ from .checkpoint import Checkpoint, CheckpointError
 from .encode import encode_expert
 from .plan import Plan, make_plan
 from .write_backbone import write_backbone
+from .partial import PartialBusy, PartialDir
 from .write_vault import DiskFull, VaultWriter
 
 DISK_MARGIN = 64 << 20  # kept free beyond the outputs' own size
+JOURNAL_EVERY = 32  # records between syncs of the vault and its journal: what a kill may cost a resume
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _PENDING_HASH = "0" * 64  # same length as a real digest, so the lineage block's size is known up front
 
 
 class ConvertError(Exception):
-    """A convert that cannot start or could not finish; nothing was left at the output path."""
+    """A convert that cannot start or could not finish; nothing was left at the output path (the work
+    done so far stays in the hidden partial directory, for the same convert to resume)."""
+
+
+class ConvertInterrupted(ConvertError):
+    """Ctrl-C or SIGTERM; the work so far is kept for the same convert to resume."""
 
 
 @dataclass
@@ -50,6 +58,7 @@ class ConvertResult:
     backbone_bytes: int
     records: int
     seconds: float
+    resumed_records: int = 0  # records an interrupted run of the same convert had already written
 
 
 def _sha256(path: Path) -> str:
@@ -93,7 +102,7 @@ def needed_disk_bytes(ckpt: Checkpoint, plan: Plan, quant: QuantType) -> int:
 
 
 def _clean_stale_partials(out: Path) -> None:
-    """Remove partial directories of earlier converts to the same output whose process is gone."""
+    """Remove the per-process partial directories (`.NAME.partial-PID`) that earlier versions left."""
     for p in out.parent.glob(f".{out.name}.partial-*"):
         try:
             os.kill(int(p.name.rsplit("-", 1)[1]), 0)
@@ -133,20 +142,26 @@ def convert(source: str, out: str | os.PathLike, quant: str, *, revision: str | 
         raise ConvertError(f"{out} exists; pass --force to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
     _clean_stale_partials(out)
-    need, free = needed_disk_bytes(ckpt, plan, qtype), shutil.disk_usage(out.parent).free
+    # What an earlier, interrupted run of this convert holds is space this one reuses.
+    held = sum(f.stat().st_size for f in (out.parent / f".{out.name}.partial").glob("*") if f.is_file())
+    need, free = needed_disk_bytes(ckpt, plan, qtype), shutil.disk_usage(out.parent).free + held
     if need > free:
         raise ConvertError(f"not enough disk: the output needs {need / 2**30:.2f} GiB, "
                            f"{out.parent} has {free / 2**30:.2f} GiB free")
 
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    tmp.mkdir()
+    try:
+        partial = PartialDir(out, _identity(ckpt, qtype, keep))
+    except PartialBusy as e:
+        raise ConvertError(str(e)) from None
+    tmp = partial.path
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the workers are the parallelism; one intra-op thread each
     pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="mosaic-convert")
     hash_pool = ThreadPoolExecutor(1, thread_name_prefix="mosaic-hash")
-    # SIGTERM unwinds like Ctrl-C, so the partial directory is removed in both cases.
+    # SIGTERM unwinds like Ctrl-C: the work so far is kept for the next run in both cases.
     on_main = threading.current_thread() is threading.main_thread()
     old_term = signal.signal(signal.SIGTERM, signal.default_int_handler) if on_main else None
+    kept = 0
     try:
         hash_files = [*ckpt.files, ckpt.directory / "config.json", *ckpt.tokenizer_files()]
         hash_futures = {f.name: hash_pool.submit(_sha256, f) for f in hash_files}
@@ -155,39 +170,61 @@ def convert(source: str, out: str | os.PathLike, quant: str, *, revision: str | 
 
         keys = list(plan.experts)
         expert_source_bytes = 3 * plan.hidden * plan.intermediate * plan.source_format["expert_bytes_per_weight"]
-        total = sum(t.source.nbytes for t in plan.backbone) + len(keys) * expert_source_bytes
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress)
-        backbone_bytes, backbone_sha = write_backbone(ckpt, plan.backbone, tmp / BACKBONE_FILE,
-                                                      {"format": "pt", "mosaic": "backbone"}, progress=bar.update)
-        backbone = {"file": BACKBONE_FILE, "bytes": backbone_bytes, "sha256": backbone_sha}
+        backbone_source = sum(t.source.nbytes for t in plan.backbone)
+        bar = tqdm(total=backbone_source + len(keys) * expert_source_bytes, unit="B", unit_scale=True,
+                   desc="convert", disable=not progress)
+        backbone = partial.backbone
+        if backbone is None or not (tmp / BACKBONE_FILE).is_file():
+            backbone_bytes, backbone_sha = write_backbone(ckpt, plan.backbone, tmp / BACKBONE_FILE,
+                                                          {"format": "pt", "mosaic": "backbone"}, progress=bar.update)
+            backbone = {"file": BACKBONE_FILE, "bytes": backbone_bytes, "sha256": backbone_sha}
+            partial.set_backbone(backbone)
+        else:
+            bar.update(backbone_source)
 
-        created = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         arch = encode_meta(plan.arch)
-        pending = encode_meta(lineage_block(ckpt, plan, qtype, {}, created, backbone))
+        pending = encode_meta(lineage_block(ckpt, plan, qtype, {}, partial.created, backbone))
         header = plan_header(qtype, plan.scale_dtype(qtype), plan.arch["num_hidden_layers"],
                              plan.arch["num_experts"], plan.hidden, plan.intermediate, len(keys), len(arch),
                              len(pending))
-        writer = VaultWriter(tmp / VAULT_FILE, header, keys)
+        writer = VaultWriter(tmp / VAULT_FILE, header, keys, resume=partial.resumed)
+        unjournaled: list[tuple[int, int]] = []  # written, not yet made durable and journaled
         try:
+            if writer.resumed:
+                kept = writer.recover(partial.written())
+            else:
+                partial.restart_journal()
+            todo = [i for i, crc in enumerate(writer.crcs) if crc is None]
+            bar.update(expert_source_bytes * (len(keys) - len(todo)))
             passthrough = qtype is QuantType.FP8_B128 and plan.fp8_passthrough()
             layout = header.layout
             window: deque[tuple[int, Future]] = deque()
-            for i, key in enumerate(keys):
-                window.append((i, pool.submit(encode_expert, ckpt, plan.experts[key], layout, passthrough)))
-                if len(window) >= 2 * workers:  # bounded: at most 2 experts per worker in flight
-                    j, fut = window.popleft()
-                    writer.write_record(j, fut.result())
-                    bar.update(expert_source_bytes)
-            while window:
-                j, fut = window.popleft()
+
+            def write(j: int, fut: Future) -> None:
                 writer.write_record(j, fut.result())
                 bar.update(expert_source_bytes)
+                unjournaled.append((j, writer.crcs[j]))
+                if len(unjournaled) >= JOURNAL_EVERY:
+                    writer.sync()  # the records' bytes are durable before the journal says they are written
+                    partial.journal(unjournaled)
+                    unjournaled.clear()
+
+            for i in todo:
+                window.append((i, pool.submit(encode_expert, ckpt, plan.experts[keys[i]], layout, passthrough)))
+                if len(window) >= 2 * workers:  # bounded: at most 2 experts per worker in flight
+                    write(*window.popleft())
+            while window:
+                write(*window.popleft())
             hashes = {name: fut.result() for name, fut in hash_futures.items()}
-            writer.finish(arch, encode_meta(lineage_block(ckpt, plan, qtype, hashes, created, backbone)))
+            writer.finish(arch, encode_meta(lineage_block(ckpt, plan, qtype, hashes, partial.created, backbone)))
         except BaseException:
+            with contextlib.suppress(OSError):  # keep what was written since the last journal entry too
+                writer.sync()
+                partial.journal(unjournaled)
             writer.abort()
             raise
         bar.close()
+        partial.finish()
         _fsync_dir(tmp)
         if out.exists():  # --force: swap in the new directory, then drop the old one
             trash = out.parent / f".{out.name}.old-{os.getpid()}"
@@ -197,20 +234,34 @@ def convert(source: str, out: str | os.PathLike, quant: str, *, revision: str | 
         else:
             tmp.rename(out)
         _fsync_dir(out.parent)
-        return ConvertResult(out, header.file_size, backbone_bytes, len(keys), time.monotonic() - start)
+        return ConvertResult(out, header.file_size, backbone["bytes"], len(keys), time.monotonic() - start, kept)
+    except KeyboardInterrupt:
+        raise ConvertInterrupted(f"interrupted; the work so far is kept in {tmp}: run the same command again to "
+                                 "resume, or delete that directory") from None
     except DiskFull as e:
-        raise ConvertError(f"disk full: {e}") from None
+        raise ConvertError(f"disk full: {e}{_kept(tmp)}") from None
     except OSError as e:  # the disk filled where space could not be reserved, or a read or write failed
         what = "disk full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "I/O error"
-        raise ConvertError(f"{what}: {e.strerror} ({e.filename or tmp})") from None
+        raise ConvertError(f"{what}: {e.strerror} ({e.filename or tmp}){_kept(tmp)}") from None
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         hash_pool.shutdown(wait=True, cancel_futures=True)
         torch.set_num_threads(torch_threads)
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        partial.release()
+
+
+def _kept(tmp: Path) -> str:
+    return f"; the work so far is kept in {tmp}: run the same command again to resume" if tmp.exists() else ""
+
+
+def _identity(ckpt: Checkpoint, quant: QuantType, keep: frozenset[str]) -> dict:
+    """What a convert's partial work is made from: a rerun resumes it only if all of this is unchanged."""
+    files = [*ckpt.files, ckpt.directory / "config.json", *ckpt.tokenizer_files()]
+    return {"source": str(ckpt.directory.resolve()), "quant": quant.name, "keep": sorted(keep),
+            "converter": __version__,
+            "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]}
 
 
 __all__ = ["convert", "ConvertError", "ConvertResult", "CheckpointError"]

@@ -2,7 +2,8 @@
 
 The writer walks an explicit state: OPEN (space reserved, header all zero) -> records written in any
 order -> FINISHED (index, metadata and finally the header with its magic). A file whose writer did not
-reach FINISHED has no magic, so no reader opens it (vault_format.md §10).
+reach FINISHED has no magic, so no reader opens it (vault_format.md §10); a later writer of the same plan
+may reopen it and keep the records that are whole (resume, recover).
 """
 
 from __future__ import annotations
@@ -38,23 +39,42 @@ class State(enum.Enum):
 
 
 class VaultWriter:
-    def __init__(self, path, header: VaultHeader, keys: list[tuple[int, int]]):
+    def __init__(self, path, header: VaultHeader, keys: list[tuple[int, int]], resume: bool = False):
         """Args:
             path: the vault file to create.
             header: the planned header (offsets and sizes; meta_crc32 is computed here).
             keys: (layer, expert) of every record, in record order.
+            resume: reopen an unfinished file of this plan (its size already reserved) instead of starting
+                afresh; recover() then says which of its records are whole.
         """
         if len(keys) != header.num_records:
             raise ValueError(f"{len(keys)} keys for {header.num_records} records")
         self.path, self.header, self.keys = path, header, keys
         self.crcs: list[int | None] = [None] * len(keys)
         self.state = State.OPEN
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        resume = resume and os.path.isfile(path) and os.path.getsize(path) == header.file_size
+        self.resumed = resume  # an unfinished file was reopened: recover() may take its records back
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | (0 if resume else os.O_TRUNC), 0o644)
         try:
-            reserve(self.fd, header.file_size, path)
+            if not resume:
+                reserve(self.fd, header.file_size, path)
         except BaseException:
             self.abort()
             raise
+
+    def recover(self, written: dict[int, int]) -> int:
+        """Take back records an earlier writer of this file wrote ({record index: its CRC-32}), each only if
+        its bytes on disk still have that CRC-32; returns how many were taken back."""
+        taken = 0
+        for i, crc in written.items():
+            if 0 <= i < len(self.crcs) and crc32(os.pread(self.fd, self.header.record_bytes, self.record_offset(i))) == crc:
+                self.crcs[i] = crc
+                taken += 1
+        return taken
+
+    def sync(self) -> None:
+        """Make the records written so far durable."""
+        os.fsync(self.fd)
 
     def record_offset(self, i: int) -> int:
         return self.header.data_offset + i * self.header.record_bytes

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from builders import tiny_qwen3_moe
+from builders import flip_byte, tiny_qwen3_moe
 from mosaic_runtime.vault import Reason, VaultError, open_vault
 from mosaic_runtime.vault.format import BACKBONE_FILE, FP8_E4M3_MAX, VAULT_FILE
 from mosaic_runtime.vault.quant import dequantize_fp8
@@ -153,13 +153,21 @@ def test_not_enough_disk_is_refused_before_writing(tiny_dirs, tmp_path, monkeypa
     assert list(tmp_path.iterdir()) == []
 
 
-def test_disk_full_while_reserving_leaves_nothing(tiny_dirs, tmp_path, monkeypatch):
+def test_disk_full_while_reserving_keeps_the_work_for_a_resume(tiny_dirs, tmp_path, monkeypatch):
     def full(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")
+    real = os.posix_fallocate
     monkeypatch.setattr(os, "posix_fallocate", full)
-    with pytest.raises(ConvertError, match="disk full"):
+    with pytest.raises(ConvertError, match="disk full.*run the same command again to resume"):
         convert(str(tiny_dirs["per-expert"]), tmp_path / "out", "q4", progress=False)
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == [".out.partial"]  # hidden, and no vault in it opens
+    with pytest.raises(VaultError):
+        open_vault(tmp_path / ".out.partial")
+    monkeypatch.setattr(os, "posix_fallocate", real)  # space was freed
+    convert(str(tiny_dirs["per-expert"]), tmp_path / "out", "q4", progress=False)
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and open_vault(tmp_path / "out").verify() == []
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        p.name for p in convert(str(tiny_dirs["per-expert"]), tmp_path / "again", "q4", progress=False).out.iterdir())
 
 
 def _start_convert(src, out):
@@ -169,12 +177,13 @@ def _start_convert(src, out):
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-def _wait_for_records(parent, proc):
+def _wait_for_records(parent, proc, journaled: bool = False):
+    """The partial directory once its vault file exists (and, if journaled, once records are journaled)."""
     deadline = time.monotonic() + 120
+    partial = parent / ".out.partial"
     while time.monotonic() < deadline and proc.poll() is None:
-        partial = [p for p in parent.glob(".out.partial-*") if (p / VAULT_FILE).exists()]
-        if partial:
-            return partial[0]
+        if (partial / VAULT_FILE).exists() and (not journaled or (partial / ".records").stat().st_size > 0):
+            return partial
         time.sleep(0.002)
     raise AssertionError("convert finished or died before its vault was started")
 
@@ -186,26 +195,70 @@ def slow_ckpt(tmp_path_factory):
                           num_experts=64, num_hidden_layers=4, vocab_size=64, intermediate_size=128)
 
 
-def test_convert_killed_midway_leaves_nothing_that_opens(slow_ckpt, tmp_path):
+def records(vault_dir):
+    with open_vault(vault_dir) as v:
+        return {key: v.read_record(*key) for key in v.entries}
+
+
+def test_a_killed_convert_leaves_nothing_that_opens_and_resumes(slow_ckpt, tmp_path):
     proc = _start_convert(slow_ckpt, tmp_path / "out")
-    partial = _wait_for_records(tmp_path, proc)
+    partial = _wait_for_records(tmp_path, proc, journaled=True)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (tmp_path / "out").exists()
     with pytest.raises(VaultError) as e:
         open_vault(partial)
     assert e.value.reason is Reason.BAD_MAGIC
-    # The next convert to the same output clears the dead process's partial directory.
-    convert(str(slow_ckpt), tmp_path / "out", "q4", progress=False)
-    assert not partial.exists() and open_vault(tmp_path / "out").verify() == []
+    # A journaled record damaged since (a torn write, a bad sector) is not trusted: it is written again.
+    journaled = [int(line.split()[0]) for line in (partial / ".records").read_text().splitlines()]
+    # (the partial vault's header is still zero: where records go comes from a finished convert of the same plan)
+    done = convert(str(slow_ckpt), tmp_path / "plan", "q4", progress=False).out
+    with open_vault(done) as v:
+        first = v.header.data_offset + journaled[0] * v.header.record_bytes
+    flip_byte(partial / VAULT_FILE, first + 7)
+    # The same convert again resumes: the journaled records are kept, and the result is the one an
+    # uninterrupted convert makes.
+    result = convert(str(slow_ckpt), tmp_path / "out", "q4", progress=False)
+    assert result.resumed_records == len(set(journaled)) - 1 >= 31 and not partial.exists()
+    assert open_vault(tmp_path / "out").verify() == []
+    assert records(tmp_path / "out") == records(done)
+    assert not any(p.name.startswith(".") for p in (tmp_path / "out").iterdir())  # no bookkeeping left
+
+
+def test_a_changed_source_starts_the_partial_work_afresh(slow_ckpt, tmp_path):
+    import shutil
+    src = tmp_path / "src"
+    shutil.copytree(slow_ckpt, src)
+    proc = _start_convert(src, tmp_path / "out")
+    _wait_for_records(tmp_path, proc, journaled=True)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    (src / "config.json").write_text((src / "config.json").read_text() + " ")  # edited since
+    result = convert(str(src), tmp_path / "out", "q4", progress=False)
+    assert result.resumed_records == 0 and open_vault(tmp_path / "out").verify() == []
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_interrupted_convert_cleans_up(slow_ckpt, tmp_path, sig):
+def test_an_interrupted_convert_says_how_to_resume(slow_ckpt, tmp_path, sig):
     proc = _start_convert(slow_ckpt, tmp_path / "out")
-    _wait_for_records(tmp_path, proc)
+    _wait_for_records(tmp_path, proc, journaled=True)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err.decode()
-    assert b"interrupted" in err and b"Traceback" not in err
-    assert list(tmp_path.iterdir()) == []
+    assert b"interrupted" in err and b"run the same command again to resume" in err and b"Traceback" not in err
+    assert [p.name for p in tmp_path.iterdir()] == [".out.partial"]
+    res = subprocess.run([sys.executable, "-m", "mosaic_shatter.cli", "convert", str(slow_ckpt), "-o",
+                          str(tmp_path / "out"), "--quant", "q4", "--quiet"], capture_output=True, text=True)
+    assert res.returncode == 0 and "resumed:" in res.stdout, res.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_two_converts_to_one_output_do_not_mix(slow_ckpt, tmp_path):
+    proc = _start_convert(slow_ckpt, tmp_path / "out")
+    try:
+        _wait_for_records(tmp_path, proc)
+        with pytest.raises(ConvertError, match="another convert is writing"):
+            convert(str(slow_ckpt), tmp_path / "out", "q4", progress=False)
+    finally:
+        proc.wait(timeout=120)
+    assert proc.returncode == 0 and open_vault(tmp_path / "out").verify() == []

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from builders import random_qwen3_moe
-from mosaic_runtime import VaultError
+from mosaic_runtime import VaultError, open_vault
 from mosaic_runtime.cache.ring import SlotState
 from mosaic_runtime.engine import Engine
 from mosaic_shatter.convert import convert
@@ -81,8 +81,8 @@ def test_a_vault_truncated_under_an_open_engine(model_dir, tmp_path):
 def test_a_disk_that_fills_mid_write_leaves_nothing_that_opens(tiny_dirs, tmp_path, monkeypatch):
     """A real ENOSPC from the kernel mid-write: a 96 KiB tmpfs (mounted here when the tests may mount), on
     which the space could not be reserved first (posix_fallocate unsupported, as on some filesystems) and
-    the free-space check is told there is room. Convert fails with one error and leaves no output and no
-    partial directory."""
+    the free-space check is told there is room. Convert fails with one error and leaves no output; what it
+    wrote stays in its hidden partial directory (for a resume), which does not open as a vault."""
     import errno as errno_
     import os
     import subprocess
@@ -99,6 +99,9 @@ def test_a_disk_that_fills_mid_write_leaves_nothing_that_opens(tiny_dirs, tmp_pa
         monkeypatch.setattr(shutil, "disk_usage", lambda p: usage)
         with pytest.raises(ConvertError, match="disk full|No space"):
             convert(str(tiny_dirs["per-expert"]), mnt / "out", "q4", progress=False)
-        assert list(mnt.iterdir()) == []
+        # No output; the work so far is kept, hidden, for a resume once there is room, and nothing opens.
+        assert [p.name for p in mnt.iterdir()] == [".out.partial"]
+        with pytest.raises(VaultError):
+            open_vault(mnt / ".out.partial")
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
