@@ -190,7 +190,8 @@ def main() -> None:
     ap.add_argument("--corpus", type=Path, help="corpus directory (default: WORK/corpus-TARGET)")
     ap.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    corpus = args.corpus or args.work / f"corpus-{args.target}"
+    args.work = args.work.resolve()  # the fuzzer runs in it: relative paths would be read from there
+    corpus = (args.corpus or args.work / f"corpus-{args.target}").resolve()
     if args.in_process:
         return fuzz(args.target, args.runs, args.seed, corpus)
     corpus.mkdir(parents=True, exist_ok=True)
