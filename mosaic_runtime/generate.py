@@ -10,10 +10,13 @@ from pathlib import Path
 import torch
 
 
+GREEDY_BELOW = 1e-4  # a temperature under this is greedy: dividing by it would overflow the logits
+
+
 def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
            generator: torch.Generator | None) -> int:
     """Next token from logits [V]: greedy at temperature 0, else top-k / top-p (nucleus) sampling."""
-    if temperature <= 0:
+    if temperature < GREEDY_BELOW:
         return int(torch.argmax(logits))
     logits = logits.float() / temperature
     if top_k and top_k < logits.shape[-1]:
@@ -23,6 +26,7 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         keep = sorted_probs.cumsum(-1) - sorted_probs < top_p  # the smallest set reaching top_p
+        keep[0] = True  # and never empty (top_p 0 is greedy)
         probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
     return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
 

@@ -120,6 +120,10 @@ def test_openai_stop_strings_and_seed(oai):
     assert cut.choices[0].message.content == whole[:whole.index(stop)] and cut.choices[0].finish_reason == "stop"
     streamed = oai.chat.completions.create(model="m", messages=ASK, max_tokens=24, temperature=0, stop=stop, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == whole[:whole.index(stop)]
+    # The edges of greedy: top_p 0 and a vanishing temperature are greedy, not a failure.
+    for edge in (dict(temperature=1.0, top_p=0.0), dict(temperature=1e-300)):
+        res = oai.chat.completions.create(model="m", messages=ASK, max_tokens=24, **edge)
+        assert res.choices[0].message.content == whole
     sampled = [oai.chat.completions.create(model="m", messages=ASK, max_tokens=16, temperature=1.0, seed=seed)
                .choices[0].message.content for seed in (7, 7, 8)]
     assert sampled[0] == sampled[1]
@@ -285,6 +289,8 @@ def test_the_api_key_is_required_in_either_header(server):
     assert request(server.url, "GET", "/v1/models", headers={"authorization": "Bearer wrong"})[0] == 401
     assert request(server.url, "GET", "/v1/models", headers={"x-api-key": KEY})[0] == 200
     assert request(server.url, "GET", "/v1/models", headers={"Authorization": f"bearer {KEY}"})[0] == 200
+    # Both headers, one of them stale (Claude Code with ANTHROPIC_API_KEY and ANTHROPIC_AUTH_TOKEN both set).
+    assert request(server.url, "GET", "/v1/models", headers={"x-api-key": "sk-ant-real", **AUTH})[0] == 200
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=server.url, api_key="nope", max_retries=0).messages.create(
             model="m", max_tokens=2, messages=ASK)

@@ -12,7 +12,7 @@ from mosaic_runtime.engine import Engine
 from mosaic_runtime.generate import StopText
 from mosaic_runtime.prompt_cache import PromptCache
 from mosaic_runtime.serve import anthropic_api, openai_api
-from mosaic_runtime.serve.request import RequestError
+from mosaic_runtime.serve.request import NOT_READ, RequestError
 from mosaic_runtime.serve.tool_calls import ToolCall, ToolCallStream
 from mosaic_shatter.convert import convert
 
@@ -123,11 +123,39 @@ def test_a_state_refilled_behind_the_cache_is_not_trusted(hybrid):
     assert cache.reuse(ids) == 0
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_what_a_text_model_cannot_read_is_named_in_place_not_refused():
+    gen = openai_api.parse_chat({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is in "}, {"type": "image_url", "image_url": {"url": "data:..."}}]}]})
+    assert gen.messages[0]["content"] == "What is in " + NOT_READ
+    gen = anthropic_api.parse_messages({"model": "m", "max_tokens": 5, "messages": [
+        {"role": "user", "content": [{"type": "image", "source": {}}, {"type": "text", "text": "and this?"}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "read", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image"}]}]}]})
+    assert gen.messages[0]["content"] == NOT_READ + "and this?" and gen.messages[2]["content"] == NOT_READ
+
+
+def test_a_call_cut_short_by_max_tokens_is_only_a_call_if_its_json_is_whole():
+    stream = ToolCallStream()
+    assert stream.push('<tool_call>\n{"name": "f", "arguments": {"x": 1') == []
+    assert stream.finish(cut_short=True) == ['<tool_call>\n{"name": "f", "arguments": {"x": 1']
+    stream = ToolCallStream()
+    stream.push('<tool_call>\n{"name": "f", "arguments": {"x": 1}}')
+    assert isinstance(stream.finish(cut_short=True)[0], ToolCall)
+
+
 @pytest.mark.parametrize("body, param", [
     ({"messages": "hi"}, "messages"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "video"}]}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": float("nan")}, "temperature"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_p": float("inf")}, "top_p"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER], "tool_choice": ["auto"]}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER],
+      "tool_choice": {"type": "function", "function": {"name": ["get_weather"]}}}, "tool_choice"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": True}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10 ** 12}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
@@ -174,8 +202,12 @@ def test_anthropic_bodies_become_template_messages():
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}, "model"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
     ({"model": "m", "max_tokens": 0, "messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
-    ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
+    ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "video"}]}]},
      "messages[0].content"),
+    ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": ["any"]}},
+     "tool_choice"),
+    ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+      "tools": [{"name": "w", "input_schema": {}}], "tool_choice": {"type": "tool", "name": {"w": 1}}}, "tool_choice"),
     ({"model": "m", "max_tokens": 5, "system": 3, "messages": [{"role": "user", "content": "x"}]}, "system"),
     ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
       "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice"),

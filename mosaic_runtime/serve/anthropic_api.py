@@ -6,7 +6,8 @@ import json
 import secrets
 from typing import AsyncIterator
 
-from .request import Generation, RequestError, ToolChoice, field_of, max_tokens_field, sampling_fields, stop_field
+from .request import (NOT_READ, Generation, RequestError, ToolChoice, field_of, max_tokens_field, sampling_fields,
+                      stop_field)
 from .run import Done, Run
 from .tool_calls import ToolCall
 
@@ -16,6 +17,7 @@ ERROR_TYPES = {"invalid_request": "invalid_request_error", "authentication": "au
 # defeat any prompt cache, and it means nothing to a local model.
 ATTRIBUTION_PREFIX = "x-anthropic-billing-header:"
 IGNORED_BLOCKS = ("thinking", "redacted_thinking")
+READ_AS_PLACEHOLDER = ("image", "document")  # a text-only model cannot read them; refusing would stall a session
 
 
 def error_body(err: RequestError) -> dict:
@@ -50,8 +52,12 @@ def _block_text(content, where: str) -> str:
         raise RequestError(f"'{where}' must be a string or an array of blocks", param=where)
     texts = []
     for j, block in enumerate(content):
-        if not isinstance(block, dict) or block.get("type") != "text":
-            raise RequestError(f"'{where}[{j}]' must be a text block: this server reads text only", param=where)
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind in READ_AS_PLACEHOLDER:
+            texts.append(NOT_READ)
+            continue
+        if kind != "text":
+            raise RequestError(f"'{where}[{j}]' must be a text block", param=where)
         texts.append(field_of(block, "text", str, required=True, where=f"{where}[{j}]"))
     return "\n".join(texts)
 
@@ -95,6 +101,8 @@ def _messages(body: dict) -> list[dict]:
                 out.append({"role": "tool", "content": result, "tool_call_id": block.get("tool_use_id")})
             elif kind in IGNORED_BLOCKS:
                 continue
+            elif kind in READ_AS_PLACEHOLDER:  # an image Claude Code read, say: the turn goes on without it
+                text.append(NOT_READ)
             else:
                 raise RequestError(f"'{bw}' is a {kind!r} block, which this server cannot read in a {role} turn",
                                    param=f"{where}.content")
@@ -121,10 +129,10 @@ def _tools(body: dict) -> tuple[list[dict], ToolChoice]:
             "parameters": field_of(t, "input_schema", dict, default={"type": "object", "properties": {}},
                                    where=f"tools[{i}]")}})
     choice = field_of(body, "tool_choice", dict, default={"type": "auto"})
-    kind = choice.get("type")
+    kind = choice.get("type") if isinstance(choice.get("type"), str) else None
     if kind == "tool":
         name = choice.get("name")
-        if name not in {t["function"]["name"] for t in out}:
+        if not isinstance(name, str) or name not in {t["function"]["name"] for t in out}:
             raise RequestError(f"'tool_choice' names {name!r}, which is not among the tools", param="tool_choice")
         return out, ToolChoice("function", name)
     modes = {"auto": "auto", "any": "required", "none": "none"}
@@ -179,6 +187,11 @@ def event(name: str, data: dict) -> str:
     return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+def stream_error(err: RequestError) -> str:
+    """A failure after the stream began: the SDK raises it from the `error` event."""
+    return event("error", error_body(err))
+
+
 async def message_stream(run: Run) -> AsyncIterator[str]:
     """message_start, then per block content_block_start / _delta / _stop, message_delta, message_stop."""
     yield event("message_start", {"type": "message_start",
@@ -211,4 +224,4 @@ async def message_stream(run: Run) -> AsyncIterator[str]:
                                               "usage": _usage(run, part.finished.completion_tokens)})
                 yield event("message_stop", {"type": "message_stop"})
     except RequestError as e:
-        yield event("error", error_body(e))
+        yield stream_error(e)

@@ -30,6 +30,7 @@ log = logging.getLogger("mosaic.serve")
 MAX_BODY_BYTES = 32 << 20  # an agent's request with every tool schema is a few MB at most
 KEEPALIVE_S = 10.0  # a frame at least this often while a long prefill or a queue keeps a stream silent
 ERROR_SHAPES = {"openai": openai_api.error_body, "anthropic": anthropic_api.error_body}
+STREAM_ERRORS = {"openai": openai_api.stream_error, "anthropic": anthropic_api.stream_error}
 
 
 def error_response(err: RequestError, protocol: str) -> JSONResponse:
@@ -112,51 +113,40 @@ class Server:
     def check_key(self, request: Request) -> None:
         if not self.api_key:
             return
-        given = request.headers.get("x-api-key") or ""
         auth = request.headers.get("authorization") or ""
-        if auth[:7].lower() == "bearer ":
-            given = given or auth[7:].strip()
-        if not secrets.compare_digest(given.encode(), self.api_key.encode()):
+        given = [request.headers.get("x-api-key") or "", auth[7:].strip() if auth[:7].lower() == "bearer " else ""]
+        # Either header may carry it; a client can send both (Claude Code with two keys set), one stale.
+        if not any(secrets.compare_digest(g.encode(), self.api_key.encode()) for g in given):
             raise RequestError("a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)",
                                status=401, kind="authentication")
 
-    async def submit(self, request: Request, gen: Generation) -> tuple[Run | None, Job, asyncio.Task]:
-        """Queue a generation. Returns once it has started (None when the client left before), with its job
-        and the task watching for the client leaving.
-
-        Raises:
-            RequestError: the prompt cannot be rendered or does not fit, or the engine failed at the start.
-        """
+    async def generate(self, request: Request, gen: Generation, protocol: str,
+                       body: Callable[[Run], Awaitable[dict]], stream: Callable[[Run], AsyncIterator[str]]) -> Response:
+        """Render the prompt (its errors are a 4xx here), queue the generation, and answer: a stream at once
+        (keepalives while it waits its turn), or the whole body when it is done. A client that leaves
+        cancels it, queued or running."""
         entry = self.fleet.pick(gen.model or None)
         ids, forced = await run_in_threadpool(prompt_ids, entry, gen, self.max_seq)
         job = Job(entry, gen, ids, asyncio.get_running_loop())
         watcher = asyncio.create_task(_watch_disconnect(request, job))
         self.worker.submit(job)
-        first = await job.events.get()
-        if isinstance(first, Failed):
-            watcher.cancel()
-            raise first.error
-        if not isinstance(first, Started):  # cancelled while queued
-            watcher.cancel()
-            return None, job, watcher
-        return Run(gen, first, _events(job), forced), job, watcher
 
-    async def generate(self, request: Request, gen: Generation, protocol: str,
-                       body: Callable[[Run], Awaitable[dict]], stream: Callable[[Run], AsyncIterator[str]]) -> Response:
-        run, job, watcher = await self.submit(request, gen)
-        if run is None:
-            return Response(status_code=499)
-        if gen.stream:
-            def close() -> None:
-                job.cancelled.set()
-                watcher.cancel()
-            keepalive = "event: ping\ndata: {\"type\": \"ping\"}\n\n" if protocol == "anthropic" else ": keepalive\n\n"
-            return EventStream(stream(run), keepalive, close)
-        try:
-            return JSONResponse(await body(run))
-        finally:
+        def close() -> None:
             job.cancelled.set()
             watcher.cancel()
+
+        if gen.stream:
+            keepalive = "event: ping\ndata: {\"type\": \"ping\"}\n\n" if protocol == "anthropic" else ": keepalive\n\n"
+            return EventStream(_once_started(job, gen, forced, protocol, stream), keepalive, close)
+        try:
+            first = await job.events.get()
+            if isinstance(first, Failed):
+                raise first.error
+            if not isinstance(first, Started):  # the client left while it was queued
+                return Response(status_code=499)
+            return JSONResponse(await body(Run(gen, first, _events(job), forced)))
+        finally:
+            close()
 
     # -- routes ---------------------------------------------------------------------------------------------
 
@@ -216,6 +206,19 @@ async def _watch_disconnect(request: Request, job: Job) -> None:
             return
 
 
+async def _once_started(job: Job, gen: Generation, forced: str, protocol: str,
+                        stream: Callable[[Run], AsyncIterator[str]]) -> AsyncIterator[str]:
+    """A stream's frames: nothing (keepalives) until the job starts, then the protocol's frames."""
+    first = await job.events.get()
+    if isinstance(first, Failed):
+        yield STREAM_ERRORS[protocol](first.error)
+        return
+    if not isinstance(first, Started):
+        return
+    async for frame in stream(Run(gen, first, _events(job), forced)):
+        yield frame
+
+
 async def _events(job: Job):
     while True:
         event = await job.events.get()
@@ -226,11 +229,11 @@ async def _events(job: Job):
 
 def engine_stats(fleet: Fleet) -> dict:
     """What the web chat shows beside an answer: the resident engine's cache, reads, memory and speed."""
-    engine = fleet.engine
-    if engine is None:
+    engine, entry = fleet.engine, fleet.resident  # read once: the worker may be switching models
+    if engine is None or entry is None:
         return {"model": None}
     s, store, limit = engine.stats, engine.store, engine.memory_limit
-    out = {"model": fleet.resident.name, "settings": engine.settings, "prompt_tokens": s.prompt_tokens,
+    out = {"model": entry.name, "settings": engine.settings, "prompt_tokens": s.prompt_tokens,
            "new_tokens": s.new_tokens, "ttft_s": s.ttft_s, "tok_per_s": s.tok_per_s, "hit_rate": s.hit_rate,
            "bytes_read": s.bytes_read, "context_tokens": engine.model.state.length,
            "max_seq": engine.model.state.max_seq}

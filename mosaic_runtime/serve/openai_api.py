@@ -6,8 +6,8 @@ import json
 import secrets
 from typing import AsyncIterator
 
-from .request import (MAX_TOKENS_LIMIT, Generation, RequestError, ToolChoice, field_of, max_tokens_field, sampling_fields,
-                      stop_field)
+from .request import (MAX_TOKENS_LIMIT, NOT_READ, Generation, RequestError, ToolChoice, field_of, max_tokens_field,
+                      sampling_fields, stop_field)
 from .run import Done, Run
 from .tool_calls import ToolCall
 
@@ -30,10 +30,13 @@ def _text(content, where: str) -> str:
         raise RequestError(f"'{where}.content' must be a string or an array of parts", param=f"{where}.content")
     texts = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in ("text", "input_text", "output_text"):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise RequestError(f"'{where}.content[{j}]' is {kind!r}; this server reads text parts only",
-                               param=f"{where}.content")
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("image_url", "input_image", "input_audio", "file"):
+            texts.append(NOT_READ)  # a text-only model: say so in place, and let the conversation go on
+            continue
+        if kind not in ("text", "input_text", "output_text"):
+            raise RequestError(f"'{where}.content[{j}]' must be a content part, such as "
+                               "{\"type\": \"text\", \"text\": ...}", param=f"{where}.content")
         texts.append(field_of(part, "text", str, required=True, where=f"{where}.content[{j}]"))
     return "".join(texts)
 
@@ -88,13 +91,13 @@ def _tools(body: dict) -> tuple[list[dict], ToolChoice]:
                                         where=f"tools[{i}].function")}
         out.append({"type": "function", "function": entry})
     choice = body.get("tool_choice")
-    if choice is None or choice == "auto":
+    if choice is None or isinstance(choice, str) and choice == "auto":
         return out, ToolChoice()
-    if choice in ("none", "required"):
+    if isinstance(choice, str) and choice in ("none", "required"):
         return out, ToolChoice(choice)
     if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
-        if name not in {t["function"]["name"] for t in out}:
+        if not isinstance(name, str) or name not in {t["function"]["name"] for t in out}:
             raise RequestError(f"'tool_choice' names {name!r}, which is not among the tools", param="tool_choice")
         return out, ToolChoice("function", name)
     raise RequestError("'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", "
@@ -175,6 +178,11 @@ def frame(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+def stream_error(err: RequestError) -> str:
+    """A failure after the stream began: the SDK raises it from the chunk's `error`."""
+    return frame(error_body(err))
+
+
 async def chat_stream(run: Run) -> AsyncIterator[str]:
     """SSE frames: a role delta, content and tool-call deltas, one finish_reason, usage if asked, [DONE]."""
     head = {"id": response_id("chatcmpl-"), "object": "chat.completion.chunk", "created": run.created,
@@ -197,7 +205,7 @@ async def chat_stream(run: Run) -> AsyncIterator[str]:
             else:
                 yield chunk({"content": part})
     except RequestError as e:
-        yield frame(error_body(e))
+        yield stream_error(e)
         return
     yield frame("[DONE]")
 
@@ -215,6 +223,6 @@ async def completion_stream(run: Run) -> AsyncIterator[str]:
             else:
                 yield frame({**head, "choices": [{"index": 0, "text": part, "logprobs": None, "finish_reason": None}]})
     except RequestError as e:
-        yield frame(error_body(e))
+        yield stream_error(e)
         return
     yield frame("[DONE]")

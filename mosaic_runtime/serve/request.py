@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_TOKENS_LIMIT = 1_000_000  # a max_tokens past this is a client bug, not a long answer
 STOP_LIMIT = 16  # stop strings per request
+NOT_READ = "[an image or file was here: this model reads text only]"  # in place of what it cannot read
 
 
 class RequestError(ValueError):
@@ -65,6 +67,8 @@ def field_of(body: dict, name: str, kind: type, *, required: bool = False, defau
         ok, value = True, float(value)
     if not ok:
         raise RequestError(f"'{label}' must be {_TYPES[kind]}, not {type(value).__name__}", param=label)
+    if kind is float and not math.isfinite(value):
+        raise RequestError(f"'{label}' must be a finite number, not {value}", param=label)
     if low is not None and value < low or high is not None and value > high:
         bounds = f"between {low} and {high}" if low is not None and high is not None else \
             f"at least {low}" if low is not None else f"at most {high}"

@@ -36,7 +36,7 @@ class Run:
                     calls += isinstance(part, ToolCall)
                     yield part
             elif isinstance(event, Finished):
-                for part in answer.finish():
+                for part in answer.finish(cut_short=event.reason == "length"):
                     calls += isinstance(part, ToolCall)
                     yield part
                 yield Done(event, calls > 0)

@@ -82,10 +82,12 @@ class ToolCallStream:
                 self._before, self._space = self._space, ""  # whitespace before a call only separates it
                 self.pending, self.inside = self.pending[start + len(OPEN):], True
 
-    def finish(self) -> list[str | ToolCall]:
+    def finish(self, cut_short: bool = False) -> list[str | ToolCall]:
+        """The end of the text. cut_short: it ended at max_tokens, so a block left open is a call only if its
+        JSON is whole as it stands (not completed with braces it never got)."""
         out: list[str | ToolCall] = []
         if self.inside:
-            self._close(self.pending, out, closed=False)
+            self._close(self.pending, out, closed=False, repair=not cut_short)
         else:
             self._text(self.pending, out)
             if not self.calls and self._space:
@@ -106,10 +108,10 @@ class ToolCallStream:
         else:
             self._space += text
 
-    def _close(self, body: str, out: list, closed: bool) -> None:
+    def _close(self, body: str, out: list, closed: bool, repair: bool = False) -> None:
         self.inside = False
-        # An unclosed block may lack its last braces as well as its closing tag.
-        tails = ("",) if closed else ("", "}", "}}")
+        # A model that forgot the closing tag may have left out its last braces too.
+        tails = ("", "}", "}}") if repair else ("",)
         call = next(filter(None, (parse_call(body.strip() + tail, self.id_prefix) for tail in tails)), None)
         if call is None:
             self._text(self._before + OPEN + body + (CLOSE if closed else ""), out)
@@ -139,5 +141,5 @@ class AnswerParts:
     def push(self, text: str) -> list[str | ToolCall]:
         return self.stream.push(text) if self.stream is not None else [text] if text else []
 
-    def finish(self) -> list[str | ToolCall]:
-        return self.stream.finish() if self.stream is not None else []
+    def finish(self, cut_short: bool = False) -> list[str | ToolCall]:
+        return self.stream.finish(cut_short) if self.stream is not None else []

@@ -57,7 +57,10 @@ class Job:
         self.cancelled = threading.Event()
 
     def emit(self, event: Event) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop is closed (the server is stopping): nobody is listening
+            self.cancelled.set()
 
 
 class Worker:
