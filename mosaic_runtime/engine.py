@@ -10,7 +10,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors.torch import load_file
@@ -36,6 +36,7 @@ KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch
 DEFAULT_TIER_POLICY = "decayed-frequency"  # chosen by benchmarks/routing_bench.py: see benchmarks/RESULTS.md
 MARGIN_BYTES = 1 << 30  # left for what the process allocates later (prefill activations, load-time copies)
 _WATCH = object()  # the engine's owner while the memory watch acts on it (it was idle)
+PREFILL_CHUNK = 1024  # prompt tokens per forward pass: bounds activation memory (and logits) on long prompts
 
 
 @dataclass
@@ -348,18 +349,20 @@ class Engine:
             return self._forward(list(token_ids), 0)
 
     def generate_ids(self, prompt_ids, *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-                     top_k: int = 0, seed: int | None = None, stop_ids=(), cached: int = 0) -> Iterator[int]:
-        """Token ids, one at a time, after prefilling prompt_ids.
+                     top_k: int = 0, seed: int | None = None, stop_ids=(), cached: int = 0,
+                     cancelled: Callable[[], bool] | None = None) -> Iterator[int]:
+        """Token ids, one at a time, after prefilling prompt_ids (PREFILL_CHUNK tokens at a time).
 
         cached: how many leading positions of the KV cache to keep; prompt_ids continue from there (the
-        earlier turns of a conversation). 0 starts from an empty cache. On return (or when the caller
-        stops iterating) the cache holds every token that was fed: `self.model.state.length` of them.
+        earlier turns of a conversation). 0 starts from an empty cache. cancelled: asked between prefill
+        chunks; when it says so, nothing is generated (a server's client went away). On return (or when
+        the caller stops iterating) the cache holds every token that was fed: `self.model.state.length`.
         """
         with self._held():
             yield from self._generate_ids(prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, stop_ids,
-                                          cached)
+                                          cached, cancelled)
 
-    def _generate_ids(self, prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, stop_ids, cached):
+    def _generate_ids(self, prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, stop_ids, cached, cancelled):
         if not 0 <= cached <= self.model.state.length:
             raise ValueError(f"cached={cached} but the KV cache holds {self.model.state.length} tokens")
         if not prompt_ids:
@@ -371,8 +374,12 @@ class Engine:
         if self.store is not None:  # io_s and kernel_s are per call; hits, misses and bytes since open
             self._io_mark, self._kernel_mark = self.store.io.io_s, self.model.experts.kernel_s
         t0 = time.perf_counter()
-        self._relieve()
-        logits = self._forward(list(prompt_ids), cached)[-1]
+        ids = list(prompt_ids)
+        for at in range(0, len(ids), PREFILL_CHUNK):  # bounded activations; a point to stop between chunks
+            if at and cancelled is not None and cancelled():
+                return
+            self._relieve()
+            logits = self._forward(ids[at:at + PREFILL_CHUNK], cached + at)[-1]
         for n in range(max_new_tokens):
             token = sample(logits, temperature, top_p, top_k, gen)
             s.new_tokens += 1

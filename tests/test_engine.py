@@ -334,3 +334,16 @@ def _refusal(engine) -> str:
     except RuntimeError as e:
         return str(e)
     return "no refusal"
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_and_can_be_stopped_between_them(model_dir, monkeypatch):
+    import mosaic_runtime.engine as engine_module
+    prompt = [(7 * i + 3) % 256 for i in range(250)]
+    with Engine.open(model_dir, max_seq=512, precision="exact") as engine:
+        whole = list(engine.generate_ids(prompt, max_new_tokens=8))
+        monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 64)  # four chunks: 64, 64, 64, 58
+        assert list(engine.generate_ids(prompt, max_new_tokens=8)) == whole
+        asked = []
+        stop_after_two = lambda: asked.append(1) or len(asked) >= 2  # noqa: E731
+        assert list(engine.generate_ids(prompt, max_new_tokens=8, cancelled=stop_after_two)) == []
+        assert engine.model.state.length == 128  # two chunks prefilled, then it stopped

@@ -117,7 +117,7 @@ class Worker:
         sampling = job.entry.sampling(gen)
         stop_ids = [i for i in (codec.token_id(codec.special.get("eos_token")),) if i is not None]
         tokens = engine.generate_ids(job.ids[keep:], cached=keep, max_new_tokens=min(gen.max_tokens, room + 1),
-                                     stop_ids=stop_ids, **sampling)
+                                     stop_ids=stop_ids, cancelled=job.cancelled.is_set, **sampling)
         answer: list[int] = []
         try:
             reason, stopped = self._stream(job, engine, cache, tokens, answer)
@@ -149,6 +149,8 @@ class Worker:
                 return "stop_sequence", cut.stopped
             if job.cancelled.is_set():
                 return "cancelled", None
+        if job.cancelled.is_set():  # during prefill: nothing was generated
+            return "cancelled", None
         out = cut.finish(detok.flush())
         if out:
             job.emit(Text(out))
