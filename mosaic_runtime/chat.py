@@ -55,9 +55,8 @@ class Conversation:
             self.messages.pop()
             raise
         detok, answer = Detokenizer(codec), []
-        stop = [i for i in (codec.token_id(codec.special.get("eos_token")),) if i is not None]
         try:
-            for token in self.engine.generate_ids(ids[keep:], cached=keep, stop_ids=stop, **sampling):
+            for token in self.engine.generate_ids(ids[keep:], cached=keep, stop_ids=codec.end_of_turn_ids, **sampling):
                 answer.append(token)
                 piece = detok.push(token)
                 if piece:

@@ -77,6 +77,12 @@ class Stats:
         return h / (h + m) if h + m else 0.0
 
 
+def ring_margin(free: int) -> int:
+    """Memory left free beside the ring when it is sized from what the process may take: MARGIN_BYTES, at
+    most a quarter of it."""
+    return min(MARGIN_BYTES, max(free, 0) // 4)
+
+
 def ring_slots(vault, ram_budget: int | None, resident_bytes: int, limit: MemoryLimit) -> int:
     """How many records the ring holds.
 
@@ -90,7 +96,7 @@ def ring_slots(vault, ram_budget: int | None, resident_bytes: int, limit: Memory
         budget = ram_budget
     else:
         free = limit.available - resident_bytes
-        budget = free - min(MARGIN_BYTES, max(free, 0) // 4)
+        budget = free - ring_margin(free)
     if budget < top_k * record:
         raise ValueError(f"a RAM budget of {budget:,} bytes holds fewer than one layer's top-{top_k} experts; "
                          f"the minimum is {top_k * record:,} bytes"
@@ -255,7 +261,7 @@ class Engine:
             store.preload()
         if store is not None and watch_memory:
             # Half the margin the ring was sized with: what the process may still take must not fall below it.
-            margin = min(MARGIN_BYTES, max(memory.available, 0) // 4) // 2
+            margin = ring_margin(memory.available) // 2
             engine.valve = MemoryValve(store, margin, floor_slots=vault.arch["num_experts_per_tok"])
             engine._watch = threading.Thread(target=_watch_idle, args=(weakref.ref(engine), engine._watch_stop),
                                              name="mosaic-memory-watch", daemon=True)

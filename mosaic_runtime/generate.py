@@ -65,6 +65,20 @@ def _sandbox():
     return env
 
 
+@functools.lru_cache(maxsize=16)
+def _compile(source: str):
+    """A chat template compiled in the sandbox, once per distinct text: every turn and request renders it."""
+    from jinja2.exceptions import TemplateSyntaxError
+    try:
+        return _sandbox().from_string(source)
+    except TemplateSyntaxError as e:
+        raise ChatTemplateError(f"chat template, line {e.lineno}: {e.message}") from None
+    except RecursionError:
+        raise ChatTemplateError("chat template: nested too deeply to parse") from None
+    except Exception as e:  # noqa: BLE001 - Jinja can emit Python that does not compile ({{ m['a':] }})
+        raise ChatTemplateError(f"chat template could not be compiled: {type(e).__name__}: {e}") from None
+
+
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -100,6 +114,11 @@ class TextCodec:
             token = token.get("content")
         return self.tokenizer.token_to_id(token) if token else None
 
+    @property
+    def end_of_turn_ids(self) -> list[int]:
+        """The ids that end an assistant's turn: the chat template's eos_token, when the tokenizer has it."""
+        return [i for i in (self.token_id(self.special.get("eos_token")),) if i is not None]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
@@ -121,16 +140,8 @@ class TextCodec:
         """
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; pass a plain prompt")
-        from jinja2.exceptions import TemplateSyntaxError
         special = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in self.special.items()}
-        try:
-            template = _sandbox().from_string(self.chat_template)
-        except TemplateSyntaxError as e:
-            raise ChatTemplateError(f"chat template, line {e.lineno}: {e.message}") from None
-        except RecursionError:
-            raise ChatTemplateError("chat template: nested too deeply to parse") from None
-        except Exception as e:  # noqa: BLE001 - Jinja can emit Python that does not compile ({{ m['a':] }})
-            raise ChatTemplateError(f"chat template could not be compiled: {type(e).__name__}: {e}") from None
+        template = _compile(self.chat_template)
         try:
             extra = {"tools": tools} if tools else {}
             return template.render(messages=messages, add_generation_prompt=True, **special, **extra)

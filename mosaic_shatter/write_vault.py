@@ -67,7 +67,8 @@ class VaultWriter:
         its bytes on disk still have that CRC-32; returns how many were taken back."""
         taken = 0
         for i, crc in written.items():
-            if 0 <= i < len(self.crcs) and crc32(os.pread(self.fd, self.header.record_bytes, self.record_offset(i))) == crc:
+            on_disk = os.pread(self.fd, self.header.record_bytes, self.record_offset(i)) if 0 <= i < len(self.crcs) else b""
+            if on_disk and crc32(on_disk) == crc:
                 self.crcs[i] = crc
                 taken += 1
         return taken

@@ -139,25 +139,16 @@ class ExpertStore:
         """Give up to `slots` ring slots' memory back to the system: free ones first, then the least recently
         used records; never a pinned slot or one being read. Returns how many were given back; they hold
         nothing until grow() takes them again."""
-        given = 0
-        for slot in [s for s in self.policy.free if s not in self._reading]:
-            if given == slots:
-                return given
+        victims = [(None, slot) for slot in self.policy.free]  # (a free slot is never being read)
+        victims += [(key, slot) for key, slot in self.policy.evictable(self._pinned) if slot not in self._reading]
+        for key, slot in victims[:slots]:
+            if key is not None:
+                del self.policy.where[key]
+                self.slot_table[key] = -1
+                self._key_at.pop(slot, None)
             self.policy.disable(slot)
             self.ring.discard(slot)
-            given += 1
-        for key, slot in self.policy.evictable(self._pinned):
-            if given == slots:
-                break
-            if slot in self._reading:
-                continue
-            del self.policy.where[key]
-            self.slot_table[key] = -1
-            self._key_at.pop(slot, None)
-            self.policy.disable(slot)
-            self.ring.discard(slot)
-            given += 1
-        return given
+        return len(victims[:slots])
 
     def grow(self, slots: int) -> int:
         """Take back up to `slots` of the slots shrink() gave away (filled again as layers ask); how many."""

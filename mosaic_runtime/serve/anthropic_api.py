@@ -145,7 +145,8 @@ def parse_messages(body: dict, *, counting: bool = False) -> Generation:
     tools, choice = _tools(body)
     return Generation(model=field_of(body, "model", str, required=not counting, default=""),
                       max_tokens=max_tokens_field(body, "max_tokens", required=not counting) or 1,
-                      messages=_messages(body), tools=tools, tool_choice=choice, stop=stop_field(body, "stop_sequences"),
+                      messages=_messages(body), tools=tools, tool_choice=choice,
+                      stop=stop_field(body, "stop_sequences"),
                       stream=field_of(body, "stream", bool, default=False), **sampling_fields(body))
 
 

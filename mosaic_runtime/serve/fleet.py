@@ -6,6 +6,7 @@ resident engine and opens the other: one resident at a time. Only the worker thr
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -39,16 +40,21 @@ class ModelEntry:
                 self._codec = TextCodec(self.path)
             return self._codec
 
-    def sampling(self, gen: Generation) -> dict:
-        """The request's sampling; what it leaves out from the model's generation_config.json, else 1.0."""
+    @functools.cached_property
+    def sampling_defaults(self) -> dict:
+        """What the model's generation_config.json says of sampling, else the protocols' 1.0 (read once)."""
         defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
-        config = self.path / "generation_config.json"
-        if config.is_file():
-            try:
-                saved = json.loads(config.read_text())
-                defaults.update({k: saved[k] for k in SAMPLING_KEYS if isinstance(saved.get(k), (int, float))})
-            except (OSError, ValueError):
-                pass
+        try:
+            saved = json.loads((self.path / "generation_config.json").read_text())
+        except (OSError, ValueError):
+            return defaults
+        if isinstance(saved, dict):
+            defaults.update({k: saved[k] for k in SAMPLING_KEYS if isinstance(saved.get(k), (int, float))})
+        return defaults
+
+    def sampling(self, gen: Generation) -> dict:
+        """The request's sampling; what it leaves out from sampling_defaults."""
+        defaults = self.sampling_defaults
         chosen = {k: getattr(gen, k) if getattr(gen, k) is not None else defaults[k] for k in SAMPLING_KEYS}
         chosen["top_k"] = int(chosen["top_k"])
         return dict(chosen, seed=gen.seed)

@@ -61,7 +61,8 @@ def run_server(models: list[str], *, host: str, port: int, api_key: str | None, 
         print(f"mosaic: cannot load {fleet.default.name}: {e}", file=sys.stderr)
         return 1
     limit = engine.memory_limit
-    ring = f"ring {engine.store.ring.n_slots} of {engine.vault.header.num_records} experts" if engine.store else "no ring"
+    records = engine.vault.header.num_records
+    ring = f"ring {engine.store.policy.usable} of {records} experts" if engine.store else "no ring"
     log.info("%s loaded (%s; %s%s); serving %s", fleet.default.name, engine.arch["model_type"], ring,
              f", memory bounded by {limit.bound}" if limit else "", ", ".join(fleet.entries))
     if not is_loopback(host) and not api_key:

@@ -85,10 +85,11 @@ def _tools(body: dict) -> tuple[list[dict], ToolChoice]:
     out = []
     for i, t in enumerate(tools):
         fn = field_of(t if isinstance(t, dict) else {}, "function", dict, required=True, where=f"tools[{i}]")
-        name = field_of(fn, "name", str, required=True, where=f"tools[{i}].function")
-        entry = {"name": name, "description": field_of(fn, "description", str, default="", where=f"tools[{i}].function"),
+        where = f"tools[{i}].function"
+        entry = {"name": field_of(fn, "name", str, required=True, where=where),
+                 "description": field_of(fn, "description", str, default="", where=where),
                  "parameters": field_of(fn, "parameters", dict, default={"type": "object", "properties": {}},
-                                        where=f"tools[{i}].function")}
+                                        where=where)}
         out.append({"type": "function", "function": entry})
     choice = body.get("tool_choice")
     if choice is None or isinstance(choice, str) and choice == "auto":

@@ -115,9 +115,8 @@ class Worker:
         job.emit(Started(job.entry.name, len(job.ids), keep))
         room = engine.model.state.max_seq - len(job.ids)  # the answer ends where the context does
         sampling = job.entry.sampling(gen)
-        stop_ids = [i for i in (codec.token_id(codec.special.get("eos_token")),) if i is not None]
         tokens = engine.generate_ids(job.ids[keep:], cached=keep, max_new_tokens=min(gen.max_tokens, room + 1),
-                                     stop_ids=stop_ids, cancelled=job.cancelled.is_set, **sampling)
+                                     stop_ids=codec.end_of_turn_ids, cancelled=job.cancelled.is_set, **sampling)
         answer: list[int] = []
         try:
             reason, stopped = self._stream(job, engine, cache, tokens, answer)
