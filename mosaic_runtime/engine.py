@@ -164,7 +164,7 @@ class Engine:
         """Open a model directory written by `mosaic-shatter convert`.
 
         Args:
-            ram_budget: bytes for the expert ring (the LRU expert cache); default: from available memory,
+            ram_budget: bytes for the expert ring (the expert cache); default: from available memory,
                 see ring_slots().
             io: "direct" (O_DIRECT / F_NOCACHE) or "buffered" (pread through the page cache).
             threads: threads for this engine's kernels and torch ops (default: every core); another engine in
@@ -199,7 +199,7 @@ class Engine:
                 It changes no result, only when records arrive.
             watch_memory: when the memory the process may still take (MemAvailable, its cgroup, its rlimits)
                 falls below half the margin the ring was sized with, stop preload and give ring slots back to
-                the system, least recently used first; take them again when memory returns (cache/pressure.py).
+                the system, those the policy would evict first; take them again when memory returns (cache/pressure.py).
                 Checked between tokens, and every CHECK_EVERY_S while the engine is idle. Speed only.
             verbose: print notices (such as a Direct-I/O fallback) to stderr.
         Raises:

@@ -41,6 +41,9 @@ class ExpertExecutor:
         None: then every MoE layer comes back through add_decode."""
         return None
 
+    def begin_step(self, token: int | None) -> None:
+        """A forward step begins: a decode step's input token, or None for a prefill."""
+
     def ran_natively(self, layers, topk_ids: np.ndarray, kernel_s: float) -> None:
         """Account the experts the native step ran itself for `layers` (topk_ids[layer] each)."""
 
@@ -82,6 +85,12 @@ class NativeExperts(ExpertExecutor):
         self._need: dict[tuple[int, int], int] = {}  # (tasks' rows, largest task) -> scratch floats
         self._decode_tasks: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # k -> (counts, tokens) of a step
         self._loop, self._loop_top_k = None, 0  # the native decode step's view of the ring (native_loop)
+        # A benchmark's replay of recorded routing (benchmarks/trace_replay.py), never a user option:
+        # layer -> the expert ids a decode step runs instead of those its router chose.
+        self.replay_routing: Callable[[int], list[int]] | None = None
+
+    def begin_step(self, token: int | None) -> None:
+        self.store.begin_step(token)
 
     def _scratch_for(self, total: int, max_n: int):
         need = self._need.get((total, max_n))
@@ -112,6 +121,8 @@ class NativeExperts(ExpertExecutor):
         ascending expert id: the native decode step adds a layer's experts straight into its residual
         stream. When every record is in the ring already (a model that fits in RAM, once preloaded) the
         kernel runs on the slots as they are, with none of acquire's pinning and read bookkeeping."""
+        if self.replay_routing is not None:
+            ids = np.asarray(self.replay_routing(layer), np.int32)
         order = np.argsort(ids, kind="stable")
         experts = ids[order].tolist()
         k = len(experts)
@@ -120,10 +131,12 @@ class NativeExperts(ExpertExecutor):
         counts, tokens = self._decode_tasks[k]
         weights = np.ascontiguousarray(w[order], np.float32)
         xs, y = h[None], x[None]
+        self.store.routed(layer, experts)
         slots = self.store.resident(layer, experts)
         if slots is None:
-            self._run_group(layer, experts, counts, tokens, weights, xs, y)
+            self._run_group(layer, experts, counts, tokens, weights, xs, y, ahead=True)
             return
+        self.store.read_ahead(layer, slots)
         failed, _, total_s = self._k.moe_experts_ring(
             self.isa, self.threads, int(self.layout.quant), int(self.layout.scale_dtype), self.layout.hidden,
             self.layout.intermediate, self.store.ring.native, np.asarray(slots, np.int32), counts, tokens, weights,
@@ -136,6 +149,8 @@ class NativeExperts(ExpertExecutor):
         """The records the native decode step may run itself: the ring and the store's slot table, preload's
         landed reads accounted first so they are in it. Built once; the table changes in place."""
         self.store.reap()
+        if self.replay_routing is not None:
+            return None  # every layer through add_decode, where the recorded routing replaces the router's
         if self._loop is None or self._loop_top_k < top_k:
             self._loop_top_k = top_k
             self._loop = _native.decode.LoopExperts(
@@ -149,7 +164,9 @@ class NativeExperts(ExpertExecutor):
         """Account what the native layer loop ran for `layers`: each one's experts (topk_ids[layer]) as ring
         hits, made most recent in ascending id as add_decode would, and the kernel's time."""
         for layer in layers:
-            self.store.used(layer, sorted(topk_ids[layer].tolist()))
+            experts = sorted(topk_ids[layer].tolist())
+            self.store.routed(layer, experts)
+            self.store.used(layer, experts)
         self.kernel_s += kernel_s
 
     def run(self, layer: int, xs: np.ndarray, ids: np.ndarray, w: np.ndarray, experts: list[int]) -> np.ndarray:
@@ -169,12 +186,15 @@ class NativeExperts(ExpertExecutor):
             self._run_group(layer, experts[g0:g1], counts[g0:g1], tokens[lo:hi], weights[lo:hi], xs, y)
         return y
 
-    def _run_group(self, layer: int, experts: list[int], counts, tokens, weights, xs, y) -> None:
+    def _run_group(self, layer: int, experts: list[int], counts, tokens, weights, xs, y, ahead: bool = False) -> None:
         """y += the experts' outputs (expert i takes the next counts[i] of tokens and weights), the records
-        read into the ring as needed; each expert runs as soon as its record is in."""
+        read into the ring as needed; each expert runs as soon as its record is in. ahead (a decode step):
+        the next layer's likely records start reading behind this layer's own."""
         scratch = self._scratch_for(int(tokens.shape[0]), int(counts.max()))
         slots = self.store.acquire(layer, experts)
         try:
+            if ahead:
+                self.store.read_ahead(layer, slots)
             # A failed read voids the call (y untouched).
             failed, wait_s, total_s = self._k.moe_experts_ring(
                 self.isa, self.threads, int(self.layout.quant), int(self.layout.scale_dtype), self.layout.hidden,

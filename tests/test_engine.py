@@ -347,3 +347,20 @@ def test_a_long_prompt_is_prefilled_in_chunks_and_can_be_stopped_between_them(mo
         stop_after_two = lambda: asked.append(1) or len(asked) >= 2  # noqa: E731
         assert list(engine.generate_ids(prompt, max_new_tokens=8, cancelled=stop_after_two)) == []
         assert engine.model.state.length == 128  # two chunks prefilled, then it stopped
+
+
+def test_read_ahead_changes_no_bit_and_is_used(model_dir):
+    """A ring smaller than the vault reads the next layer's likely experts while a layer computes: the
+    tokens are those of a ring that holds everything, and the slot table still names only checked records."""
+    rec = record_bytes(model_dir)
+    prompt = [5, 9, 5, 9, 5, 9, 5, 9]
+    want = list(Engine.open(model_dir, ram_budget=1 << 30, max_seq=64).generate_ids(prompt, max_new_tokens=24))
+    engine = Engine.open(model_dir, ram_budget=6 * rec, max_seq=64)
+    for _ in range(3):  # the same tokens again: the policy has learned what they route to
+        assert list(engine.generate_ids(prompt, max_new_tokens=24)) == want
+    store = engine.store
+    assert store.io.ahead_reads > 0 and store.io.ahead_used > 0
+    store._reap_ahead()
+    held = {key: slot for key, slot in store.policy.where.items() if slot not in store._reading}
+    table = {(int(l), int(e)): int(store.slot_table[l, e]) for l, e in zip(*(store.slot_table >= 0).nonzero())}
+    assert table == held

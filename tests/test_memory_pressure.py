@@ -41,7 +41,7 @@ class Memory:
         return MemoryLimit(self.available, "test")
 
 
-def test_slots_go_back_least_recent_first_and_return_with_the_same_tokens(model, reference):
+def test_slots_go_back_first_to_evict_first_and_return_with_the_same_tokens(model, reference):
     with Engine.open(model, max_seq=64) as engine:
         engine.finish_preload()
         store, valve, record = engine.store, engine.valve, engine.vault.header.record_bytes
@@ -52,7 +52,7 @@ def test_slots_go_back_least_recent_first_and_return_with_the_same_tokens(model,
         oldest = [key for key, _ in store.policy.evictable(set())][:10]
         memory.available = valve.margin - 10 * record
         assert valve.check(force=True) == -10 and store.policy.usable == full - 10
-        assert all(store.slot_table[key] == -1 for key in oldest)  # the ten least recently used went
+        assert all(store.slot_table[key] == -1 for key in oldest)  # the ten first in eviction order went
         assert list(engine.generate_ids(PROMPT, max_new_tokens=16)) == reference  # read again as needed
         memory.available = 0  # as low as it goes: one layer's top-k stay
         valve.check(force=True)

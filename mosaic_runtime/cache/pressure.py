@@ -1,12 +1,13 @@
 """Living within memory that shrinks after open: when what the process may still take (limits.memory_limit:
 MemAvailable, its cgroup, its rlimits) falls below a margin, preload stops and the ring gives slots back
-to the system, least recently used first; when memory comes back, past twice the margin, the ring takes
+to the system, those the policy would evict first; when memory comes back, past twice the margin, the ring takes
 slots again. Without this, another program starting (or a container's limit lowered) gets the engine,
 the largest anonymous mapping around, OOM-killed. Only speed changes: the tokens are the same.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -30,10 +31,15 @@ class MemoryValve:
         self.store, self.margin, self.floor = store, margin, floor_slots
         self.probe, self.clock = probe, clock
         self._last = float("-inf")
+        self._lock = threading.Lock()  # the engine's memory watch and a caller may check at once
         self.counters = PressureCounters(lowest_usable=store.policy.usable)
 
     def check(self, force: bool = False) -> int:
         """Probe (at most every CHECK_EVERY_S unless forced) and act; the change in usable slots."""
+        with self._lock:
+            return self._check(force)
+
+    def _check(self, force: bool) -> int:
         now = self.clock()
         if not force and now - self._last < CHECK_EVERY_S:
             return 0

@@ -1,4 +1,4 @@
-"""The expert store: ring (memory and reads) + LRU policy (decisions), as the executor sees it.
+"""The expert store: ring (memory and reads) + routing policy (decisions), as the executor sees it.
 
 `acquire(layer, experts)` pins the ring slots of a layer's experts and starts reading the missing ones at
 once, all of them concurrently on the ring's I/O threads, as soon as the router has named them. The
@@ -7,7 +7,8 @@ native kernel then runs each expert the moment its record has arrived (and passe
 
 When the ring can hold every record, `preload` reads them all in the background (one at a time, only
 while no layer's read is queued or in progress), so a model that fits in RAM soon runs with no reads at
-all, as a memory-mapped engine does once its pages are in.
+all, as a memory-mapped engine does once its pages are in. When it cannot, `read_ahead` starts reading
+the next layer's likely experts (the policy's guess) while the current layer computes.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..vault.format import Reason, VaultError
-from .policy import LRUPolicy
+from .policy import RoutingPolicy
 from .ring import Ring, SlotState
 
 IO_THREADS = 4  # reads in flight at once; more did not help on this machine's disk (benchmarks/RESULTS.md)
@@ -33,13 +34,16 @@ class IOCounters:
     reads: int = 0
     preload_bytes: int = 0  # by preload's background reads, counted as they are accounted (reap, first use)
     io_s: float = 0.0  # time the kernel stood waiting for records (reads overlapped with compute excluded)
+    ahead_reads: int = 0  # reads started by read_ahead (their bytes are in bytes_read once accounted)
+    ahead_used: int = 0  # ... of which a layer then asked for
 
 
 class ExpertStore:
     def __init__(self, vault, n_slots: int, io: str, io_threads: int = IO_THREADS, notice=None):
         self.vault = vault
         self.ring = Ring(vault.path, n_slots, vault.header.record_bytes, io, io_threads, notice)
-        self.policy = LRUPolicy(n_slots)
+        layers = sorted({layer for layer, _ in vault.entries})
+        self.policy = RoutingPolicy(n_slots, layers, vault.header.num_experts, int(vault.arch["num_experts_per_tok"]))
         self.io = IOCounters()
         self._pinned: set[int] = set()
         # slot -> (key, whether preload started it): reads not yet accounted by finish
@@ -50,17 +54,34 @@ class ExpertStore:
         self.slot_table = np.full((vault.header.num_layers, vault.header.num_experts), -1, np.int32)
         self._key_at: dict[int, tuple[int, int]] = {}  # slot -> the key placed in it
         self._preload_stopped = False  # memory ran short: no more reads ahead of need
+        self._ahead: set[int] = set()  # slots read_ahead filled that no layer has asked for yet
+        self._next_layer = dict(zip(layers, layers[1:]))
+
+    def begin_step(self, token: int | None) -> None:
+        """A forward step begins: a decode step's input token, or None for a prefill (the policy learns)."""
+        self.policy.begin_step(token)
+
+    def routed(self, layer: int, experts: list[int]) -> None:
+        """A decode step's layer routed its token to these experts."""
+        self.policy.routed(layer, experts)
 
     def acquire(self, layer: int, experts: list[int]) -> list[int]:
-        """Slots for the records of `experts` (in that order), pinned; missing ones are being read."""
+        """Slots for the records of `experts` (in that order), pinned; missing ones are being read. The
+        layer's held records are pinned before any miss takes a slot, so none is evicted for another."""
+        self._reap_ahead()
+        self.policy.rescore()
+        found = [self.policy.lookup((layer, e)) for e in experts]
+        self._pinned.update(s for s in found if s is not None)
         slots = []
-        for e in experts:
+        for e, slot in zip(experts, found):
             key = (layer, e)
-            slot = self.policy.lookup(key)
+            if slot in self._ahead:  # read ahead: landed, or a read under way that is already a demand read
+                self._ahead.discard(slot)
+                self.io.ahead_used += 1
             if slot is None:
                 slot = self._place(key)
                 self._submit(slot, key)
-            elif slot in self._reading:  # a preload read: queued, in flight or arrived, not yet accounted
+            elif slot in self._reading:  # a preload or read-ahead read: queued, in flight or arrived, unaccounted
                 state = self.ring.state(slot)
                 if state == SlotState.LOADING:
                     self.ring.expedite(slot)  # needed now: ahead of the rest of the fill
@@ -77,10 +98,14 @@ class ExpertStore:
         and made most recent; else None, with nothing counted or changed (acquire then takes over). They
         are not pinned: nothing is read until the caller's kernel returns, so nothing can evict them."""
         self.reap()
+        self._reap_ahead()
         slots = self.slot_table[layer, experts]
         if (slots < 0).any():
             return None
         self.used(layer, experts)
+        for slot in self._ahead.intersection(slots.tolist()):
+            self._ahead.discard(slot)
+            self.io.ahead_used += 1
         return slots.tolist()
 
     def used(self, layer: int, experts) -> None:
@@ -91,12 +116,49 @@ class ExpertStore:
 
     def _place(self, key: tuple[int, int]) -> int:
         """A slot for key (policy.place); whatever it held before is no longer held."""
-        slot = self.policy.place(key, self._pinned)
+        excluded = self._pinned | self._reading.keys() if not self.policy.free else set()  # only evicting needs it
+        slot = self.policy.place(key, excluded)
+        self._took(slot, key)
+        return slot
+
+    def _took(self, slot: int, key: tuple[int, int]) -> None:
         old = self._key_at.get(slot)
         if old is not None:
             self.slot_table[old] = -1
+        self._ahead.discard(slot)
         self._key_at[slot] = key
-        return slot
+
+    def read_ahead(self, layer: int, running: list[int]) -> int:
+        """While `layer` computes on the slots `running`, start reading the records the policy expects the
+        next MoE layer to ask for (only when the ring cannot hold the whole vault); how many were started."""
+        nxt = self._next_layer.get(layer)
+        if nxt is None or len(self.vault.entries) <= self.policy.usable:
+            return 0
+        self._reap_ahead()
+        planned = self.policy.plan_ahead(nxt, self._pinned | self._reading.keys() | set(running))
+        for slot, key in ((s, k) for k, s in planned):
+            self._took(slot, key)
+            self._submit(slot, key)
+            self._ahead.add(slot)
+        self.io.ahead_reads += len(planned)
+        return len(planned)
+
+    def _reap_ahead(self) -> None:
+        """Account read_ahead's reads that have landed, so their records count as held: a failed one is
+        forgotten (the layer that needs it reads it again and reports the failure)."""
+        for slot in [s for s in self._ahead if s in self._reading]:
+            state = self.ring.state(slot)
+            if state == SlotState.LOADING:
+                continue
+            if state == SlotState.FAILED:
+                key, _ = self._reading.pop(slot)
+                self.ring.set_state(slot, SlotState.EMPTY)
+                self.policy.forget(key)
+                self._key_at.pop(slot, None)
+                self._ahead.discard(slot)
+                continue
+            self.finish([slot])
+            self.ring.set_state(slot, SlotState.READY)  # a demand read lands IN_USE; nothing has pinned it
 
     def _submit(self, slot: int, key: tuple[int, int], background: bool = False) -> None:
         entry = self.vault.entry(*key)
@@ -136,16 +198,17 @@ class ExpertStore:
         return cancelled
 
     def shrink(self, slots: int) -> int:
-        """Give up to `slots` ring slots' memory back to the system: free ones first, then the least recently
-        used records; never a pinned slot or one being read. Returns how many were given back; they hold
-        nothing until grow() takes them again."""
+        """Give up to `slots` ring slots' memory back to the system: free ones first, then the records the
+        policy would evict first; never a pinned slot or one being read. Returns how many were given back;
+        they hold nothing until grow() takes them again."""
         victims = [(None, slot) for slot in self.policy.free]  # (a free slot is never being read)
         victims += [(key, slot) for key, slot in self.policy.evictable(self._pinned) if slot not in self._reading]
         for key, slot in victims[:slots]:
             if key is not None:
-                del self.policy.where[key]
+                self.policy.forget(key)
                 self.slot_table[key] = -1
                 self._key_at.pop(slot, None)
+                self._ahead.discard(slot)
             self.policy.disable(slot)
             self.ring.discard(slot)
         return len(victims[:slots])
@@ -246,7 +309,7 @@ class ExpertStore:
 
     def cached(self, layer: int, expert: int):
         """The ring's copy of a record that is held and checked (uint8 view, no copy), else None. Counts
-        nothing and changes no LRU order: the device tier peeks here to promote an expert just run."""
+        nothing and changes no eviction order: the device tier peeks here to promote an expert just run."""
         slot = self.policy.where.get((layer, expert))
         if slot is None or slot in self._reading or self.ring.state(slot) not in (SlotState.READY, SlotState.IN_USE):
             return None

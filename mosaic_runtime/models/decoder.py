@@ -127,6 +127,7 @@ class Decoder:
         if start + t > state.max_seq:
             raise ValueError(f"context of {start + t} tokens exceeds the KV cache ({state.max_seq}); "
                              "open the engine with a larger max_seq")
+        self.experts.begin_step(int(ids[0]) if t == 1 else None)
         if t == 1 and self.use_native_decode:
             logits = self.native.step(int(ids[0]), start)
             if logits is not None:  # else (KV pages out of order) the torch path gathers them

@@ -74,6 +74,9 @@ class TieredExperts(ExpertExecutor):
     def kernel_s(self) -> float:
         return self.cpu.kernel_s
 
+    def begin_step(self, token: int | None) -> None:
+        self.cpu.begin_step(token)
+
     def __call__(self, layer, x, topk_weights, topk_ids):
         device = self.cache.device
         ids = topk_ids.cpu().numpy()
