@@ -175,6 +175,8 @@ class ExpertStore:
             return 0
         started = 0
         for key in keys:
+            if self._preload_stopped:  # memory ran short meanwhile (the valve may run on another thread)
+                break
             if key in self.policy.where:
                 continue
             slot = self._place(key)  # a free slot: the ring holds them all
