@@ -65,8 +65,15 @@ def test_beats_lru_at_a_quarter_of_the_experts():
 
 
 def test_read_ahead_only_what_beats_what_it_displaces():
-    """Unknown tokens (a prefill, or routing it has not learned) read nothing ahead."""
     policy = routing(LAYERS * EXPERTS // 4)
-    policy.begin_step(None)
-    policy.routed(0, [0, 1, 2, 3])
+    policy.begin_step(None)  # a prefill says nothing of its routing: nothing is read ahead
     assert policy.plan_ahead(1, set()) == []
+    steps = list(synthetic_steps(400))
+    replay(policy, steps)  # the ring is full of what this routing uses
+    policy.begin_step(None)
+    policy.routed(0, [0, 1, 2, 3])  # a decode step of an unseen token: no better than what the ring holds
+    assert len(policy.plan_ahead(1, set())) < TOP_K
+    token, routes = steps[0]  # a token it has seen many times: its next layer is read ahead
+    policy.begin_step(token)
+    policy.routed(0, sorted(routes[0].tolist()))
+    assert policy.plan_ahead(1, set())

@@ -9,16 +9,17 @@ whom they evict:
   since a fixed layer order then evicts each record just before the next token needs it.
 - RoutingPolicy (the engine's): the record least likely to be used at its layer's next turn, from
   statistics it learns online from the routing it sees, nothing else:
-    * a decayed frequency per (layer, expert) (half-life HALF_LIFE steps): how much each expert has
-      been used lately, the estimate for a layer the current token has already passed;
+    * per layer, how often the next token routes again to an expert its last turn used (the reuse
+      rate), and a decayed frequency per (layer, expert) (half-life HALF_LIFE steps) that shares out
+      the rest: the estimate for a layer the current token has already passed;
     * per token id, how often each expert ran for that token (a bounded table): the input token of a
       decode step is known before its first layer, and routing depends on it strongly;
     * expert co-occurrence between consecutive layers of one token: once layer l has routed, which
       experts layer l+1 is likely to pick.
-  The same estimate says which records of the next layer to read ahead (`plan_ahead`): one whose
-  predicted use beats the record it would displace by AHEAD_MARGIN. On the DeepSeek-V2-Lite traces
-  (benchmarks/RESULTS.md) this lifts the hit rate at a quarter of the experts from LRU's 0.44 to about
-  0.61 while reading 4% more records.
+  The same estimate says which records of the next layer to read ahead (`plan_ahead`, in a decode step
+  once a layer has routed): one whose predicted use beats the record it would displace by AHEAD_MARGIN.
+  On the DeepSeek-V2-Lite traces (benchmarks/RESULTS.md) this lifts the hit rate at a quarter of the
+  experts from LRU's 0.44 to about 0.61 while reading 4% more records.
 """
 
 from __future__ import annotations
@@ -146,6 +147,7 @@ class LRUPolicy(RingPolicy):
 HALF_LIFE = 8.0  # steps over which an expert's recent use counts half
 TOKEN_PRIOR = 2.0  # pseudo-observations of the recent-use estimate blended into a token's own counts
 AHEAD_MARGIN = 0.6  # read ahead only what is this much likelier to run than what it would displace
+REUSE_WINDOW = 256  # decode turns over which a layer's reuse rate is averaged
 TOKEN_TABLE_BYTES = 16 << 20  # bound on the per-token routing counts (uint8, layers x experts each)
 
 
@@ -165,6 +167,9 @@ class RoutingPolicy(RingPolicy):
         self._stamp = np.zeros((L, E))
         self._co = np.full((max(L - 1, 1), E, E), 0.1, np.float32)  # [l, e at l, e' at l+1]: co-occurrence
         self._seen = np.ones((L, E), np.float32)  # how often each expert ran: the marginal of _co's columns
+        self._last = np.zeros((L, E), bool)  # the experts each layer routed to at its last decode turn
+        self._reuse = np.full(L, top_k / E)  # per layer: share of its top-k the next token routes to again
+        self._turns = np.zeros(L)  # decode turns each layer has had (the reuse average's weight, capped)
         self._tokens: OrderedDict[int, list] = OrderedDict()  # token id -> [counts uint8 [L, E], n]
         self._token_cap = max(16, TOKEN_TABLE_BYTES // (L * E))
         self._clock = 0
@@ -193,6 +198,13 @@ class RoutingPolicy(RingPolicy):
         k = min(len(experts), self.top_k)
         self._step_routes[r, :k] = experts[:k]
         self._layer_row = r
+        if self._turns[r] > 0:
+            n = min(self._turns[r], REUSE_WINDOW)
+            self._reuse[r] += (self._last[r, experts[:k]].sum() / k - self._reuse[r]) / (n + 1)
+        self._turns[r] += 1
+        self._last[r] = False
+        self._last[r, experts[:k]] = True
+        self._stale_rows.add(r)
         self.rescore()
 
     def rescore(self) -> None:
@@ -211,7 +223,12 @@ class RoutingPolicy(RingPolicy):
 
     def _recent_rows(self, rows) -> np.ndarray:
         v = self._value[rows] * np.exp(-self._decay * (self._clock - self._stamp[rows]))
-        return v / (v.sum(-1, keepdims=True) + 1e-9) * self.top_k
+        # an expert the layer's last turn used comes back with the layer's reuse rate; the rest share what is
+        # left of the top-k in proportion to their recent use
+        last, reuse = self._last[rows], self._reuse[rows][..., None]
+        rest = np.where(last, 0.0, v + 1e-6)
+        rest = rest / rest.sum(-1, keepdims=True) * (self.top_k - last.sum(-1, keepdims=True) * reuse)
+        return np.where(last, reuse, rest)
 
     def _expected(self) -> np.ndarray:
         """Expected uses of each expert by this decode step's token: its own routing counts blended with
@@ -220,7 +237,7 @@ class RoutingPolicy(RingPolicy):
             recent = self._recent()
             entry = self._tokens.get(self._token) if self._token is not None else None
             if entry is None:
-                self._predicted = recent
+                self._predicted = recent.copy()  # plan_ahead refines this step's rows in place
             else:
                 counts, n = entry
                 self._predicted = (counts + TOKEN_PRIOR * recent) / (n + TOKEN_PRIOR)
@@ -275,7 +292,7 @@ class RoutingPolicy(RingPolicy):
 
     def plan_ahead(self, layer: int, excluded: set[int]) -> list[tuple[Key, int]]:
         r = int(self._row[layer]) - 1  # read ahead `layer` from what the layer before it routed
-        if r < 0 or r != self._layer_row or self._token is None:
+        if r < 0 or r != self._layer_row:  # layer r has not routed this step (a prefill does not say)
             return []
         q = self._next_layer_estimate(r)
         self._expected()[r + 1] = q  # this token's estimate for the layer, refined
@@ -325,28 +342,31 @@ class RoutingPolicy(RingPolicy):
 
     # --- learning ---------------------------------------------------------------------------------
     def _learn_step(self) -> None:
-        """Fold the decode step that just ended into the token table and the layer co-occurrence."""
+        """Fold the decode step that just ended into the layer co-occurrence and the token table."""
         routes = self._step_routes
-        if self._token is not None and (routes >= 0).all():
-            L = len(self.layers)
+        if (routes >= 0).all():  # every layer routed: a whole decode step
+            L, k = routes.shape
             rows = np.arange(L)[:, None]
-            entry = self._tokens.get(self._token)
-            if entry is None:
-                entry = self._tokens[self._token] = [np.zeros((L, self.num_experts), np.uint8), 0]
-                if len(self._tokens) > self._token_cap:
-                    self._tokens.popitem(last=False)  # the token seen longest ago
-            else:
-                self._tokens.move_to_end(self._token)
-            counts = entry[0]
-            if counts.max() == 255:  # saturating: halve, keeping the proportions
-                counts //= 2
-                entry[1] //= 2
-            counts[rows, routes] += 1
-            entry[1] += 1
             if L > 1:
-                k = routes.shape[1]
                 layer = np.repeat(np.arange(L - 1), k * k)
                 pairs = np.repeat(routes[:-1], k, axis=1).ravel(), np.tile(routes[1:], (1, k)).ravel()
                 np.add.at(self._co, (layer, *pairs), 1)
             self._seen[rows, routes] += 1
+            if self._token is not None:
+                self._count_token(routes)
         routes.fill(-1)
+
+    def _count_token(self, routes: np.ndarray) -> None:
+        entry = self._tokens.get(self._token)
+        if entry is None:
+            entry = self._tokens[self._token] = [np.zeros((len(self.layers), self.num_experts), np.uint8), 0]
+            if len(self._tokens) > self._token_cap:
+                self._tokens.popitem(last=False)  # the token seen longest ago
+        else:
+            self._tokens.move_to_end(self._token)
+        counts = entry[0]
+        if counts.max() == 255:  # saturating: halve, keeping the proportions
+            counts //= 2
+            entry[1] //= 2
+        counts[np.arange(len(self.layers))[:, None], routes] += 1
+        entry[1] += 1
