@@ -1,73 +1,60 @@
-"""Routing of real models: per-layer expert-usage skew, next-token expert reuse, the hit rate of
-Mosaic's LRU ring (the engine's own LRUPolicy) against ring size, with a PNG plot, and the device
-tier's promotion policies (mosaic_runtime.tier) against their budget.
+"""Routing of real models: per-layer expert-usage skew, next-token expert reuse, the hit rate of the
+ring's policies (the engine's RoutingPolicy, with its read-ahead, and LRU) against ring size beside the
+Belady bound, with a PNG plot, and the device tier's promotion policies (mosaic_runtime.tier) against
+their budget.
 
     python benchmarks/routing_bench.py [--model examples/stdlib-moe] [--routing ../shared/routing]
-                                       [--plot benchmarks/routing_lru.png]
+                                       [--plot benchmarks/routing_ring.png]
 
 Traces: the bundled model routed by Mosaic's own runtime over held-out standard-library text (windows of
 256 tokens, teacher-forced: per token the same routing a decode step makes), and the public traces in
 ../shared/routing (DeepSeek-V2-Lite-Chat prefill, Mixtral-8x7B-Instruct decode). The public traces carry
 no licence: they are read from there, never copied into this repository.
 
-The ring is simulated exactly as ExpertStore drives it: per token, layer by layer, each layer's top-k are
-looked up and the misses placed (LRU, never evicting the layer's own experts). The ring persists over all
-sequences of a trace, as in one long-lived engine. Beside it: a static cache holding the most-used experts
-of the whole trace (an oracle that knows the future), to show how far LRU is from the best fixed set.
+The ring is simulated exactly as ExpertStore drives it (benchmarks/traces.py: ring_hit_rate): per token,
+layer by layer, each layer's top-k are looked up, the misses placed (never evicting the layer's own
+experts), and the next layer read ahead where the policy says so. The ring persists over all sequences of
+a trace, as in one long-lived engine. Beside it: the Belady bound (a demand-read ring that evicts what is
+used farthest ahead) and a static cache of the most-used experts of the whole trace (both know the future).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import sys
 import tempfile
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from mosaic_runtime.cache.policy import LRUPolicy  # noqa: E402
+from benchmarks.traces import Trace, belady_hit_rate, deepseek_trace, mixtral_trace, ring_hit_rate  # noqa: E402
+from mosaic_runtime.cache.policy import LRUPolicy, RoutingPolicy  # noqa: E402
 from mosaic_runtime.tier import POLICIES  # noqa: E402
 
 FRACTIONS = (0.05, 0.10, 0.25, 0.50, 1.00)
 
 
-@dataclass
-class Trace:
-    name: str
-    kind: str
-    n_experts: int
-    top_k: int
-    sequences: list[np.ndarray]  # each [T, L, k] expert ids
-
-    @property
-    def layers(self) -> int:
-        return self.sequences[0].shape[1]
-
-    @property
-    def tokens(self) -> int:
-        return sum(s.shape[0] for s in self.sequences)
-
-
-def bundled_trace(model: Path, windows: int = 40, seq: int = 256) -> Trace:
-    """Route held-out text through the bundled model's Q4 vault with Mosaic's runtime."""
+def bundled_trace(model: Path, windows: int = 40, seq: int = 256) -> tuple[Trace, float]:
+    """Route held-out text through the bundled model's Q4 vault with Mosaic's runtime. Also returns how well
+    a layer's router guesses the next layer's experts: layer l+1's router applied to layer l's FFN input
+    (re-normed with l+1's norm weight), the guess an engine could make while layer l computes; the mean
+    share of the next layer's top-k it names."""
     sys.path.insert(0, str(ROOT / "examples"))
     from train_bundled import chat_turns, held_out, stdlib_files
 
     from mosaic_runtime.engine import Engine
+    from mosaic_runtime.routing import route
     from mosaic_shatter.convert import convert
 
     class Recorder:
         def __init__(self, inner):
-            self.inner, self.ids = inner, {}
+            self.inner, self.ids, self.x = inner, {}, {}
 
         def __call__(self, layer, x, topk_weights, topk_ids):
-            self.ids[layer] = topk_ids.clone()
+            self.ids[layer], self.x[layer] = topk_ids.clone(), x.clone()
             return self.inner(layer, x, topk_weights, topk_ids)
 
         def __getattr__(self, name):
@@ -80,44 +67,22 @@ def bundled_trace(model: Path, windows: int = 40, seq: int = 256) -> Trace:
         ids = [i for d in docs for i in engine.codec.encode(d)]
         recorder = Recorder(engine.model.experts)
         engine.model.experts = recorder
-        sequences = []
+        layers, weights = engine.model.recipe.layers, engine.model.weights.layers
+        sequences, tokens, overlap = [], [], []
         for w in range(min(windows, len(ids) // seq)):
             engine.logits(ids[w * seq:(w + 1) * seq])
-            sequences.append(np.stack([recorder.ids[layer].numpy() for layer in sorted(recorder.ids)], axis=1))
+            moe = sorted(recorder.ids)
+            sequences.append(np.stack([recorder.ids[layer].numpy() for layer in moe], axis=1))
+            tokens.append(ids[w * seq:(w + 1) * seq])
+            for a, b in zip(moe, moe[1:]):
+                x = recorder.x[a] / weights[a].post_norm.float() * weights[b].post_norm.float()
+                _, guess = route(x @ weights[b].ffn.router.float().T, layers[b].ffn.router, weights[b].ffn.router_bias)
+                actual = recorder.ids[b]
+                overlap.append((guess[:, :, None] == actual[:, None, :]).any(-1).float().mean().item())
         arch = engine.arch
         engine.close()
     return Trace("bundled stdlib-moe", "held-out text, teacher-forced", arch["num_experts"],
-                 arch["num_experts_per_tok"], sequences)
-
-
-def deepseek_trace(folder: Path) -> Trace:
-    """DeepSeek-V2-Lite-Chat: per-file CSVs, rows grouped by layer (1..26), then token order."""
-    sequences = []
-    for path in sorted(folder.rglob("*.csv")):
-        by_layer: dict[int, list[list[int]]] = {}
-        with path.open(newline="", encoding="utf-8") as f:
-            for row in csv.DictReader(f):
-                by_layer.setdefault(int(row["Layer ID"]), []).append(json.loads(row["Activated Expert IDs"]))
-        lengths = {len(v) for v in by_layer.values()}
-        if len(by_layer) != 26 or len(lengths) != 1:
-            continue  # an incomplete file
-        sequences.append(np.array([by_layer[layer] for layer in sorted(by_layer)]).transpose(1, 0, 2))
-    return Trace("DeepSeek-V2-Lite-Chat", "prompts, teacher-forced prefill", 64, 6, sequences)
-
-
-def mixtral_trace(folder: Path) -> Trace:
-    """Mixtral-8x7B-Instruct: decode tokens, one JSONL record per (problem, layer, token)."""
-    rows: dict[tuple[str, int], dict[tuple[int, int], list[int]]] = {}
-    for path in sorted(folder.glob("*_2_routing.jsonl")):
-        for line in path.open(encoding="utf-8"):
-            r = json.loads(line)
-            rows.setdefault((r["dataset"], r["problem_id"]), {})[(r["token_idx"], r["layer"])] = r["experts"]
-    sequences = []
-    for cells in rows.values():
-        n_tok = 1 + max(t for t, _ in cells)
-        full = [t for t in range(n_tok) if all((t, layer) in cells for layer in range(32))]
-        sequences.append(np.array([[cells[(t, layer)] for layer in range(32)] for t in full]))
-    return Trace("Mixtral-8x7B-Instruct", "greedy decode", 8, 2, sequences)
+                 arch["num_experts_per_tok"], sequences, tokens), float(np.mean(overlap))
 
 
 def usage_skew(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
@@ -144,19 +109,14 @@ def next_token_reuse(trace: Trace) -> np.ndarray:
     return total / (n * trace.top_k)
 
 
-def lru_hit_rate(trace: Trace, slots: int) -> tuple[float, np.ndarray]:
-    """(overall, per layer) hit rate of the engine's LRUPolicy with `slots` records."""
-    policy = LRUPolicy(slots)
-    for s in trace.sequences:
-        for t in range(s.shape[0]):
-            for layer in range(trace.layers):
-                pinned = set()
-                for e in sorted(set(s[t, layer].tolist())):
-                    slot = policy.lookup((layer, e))
-                    if slot is None:
-                        slot = policy.place((layer, e), pinned)
-                    pinned.add(slot)
-    return hit_rates(policy.counters, trace.layers)
+def ring_policies(trace: Trace, slots: int):
+    """((RingRun, per-layer hit rates) of LRU, the same of the routing policy) over the trace, each driven as
+    ExpertStore drives the engine's policy."""
+    out = []
+    for policy in (LRUPolicy(slots), RoutingPolicy(slots, list(range(trace.layers)), trace.n_experts, trace.top_k)):
+        run = ring_hit_rate(policy, trace)
+        out.append((run, hit_rates(policy.counters, trace.layers)[1]))
+    return out
 
 
 def hit_rates(counters: dict, layers: int) -> tuple[float, np.ndarray]:
@@ -175,7 +135,7 @@ def tier_hit_rate(trace: Trace, policy_name: str, slots: int) -> tuple[float, np
             for layer in range(trace.layers):
                 policy.access(layer, sorted(set(s[t, layer].tolist())))
     overall, per_layer = hit_rates(policy.counters, trace.layers)
-    return overall, per_layer, sum(v.promotions for v in policy.counters.values()) / trace.tokens
+    return overall, per_layer, sum(v.promotions for v in policy.counters.values()) / trace.tokens_total
 
 
 def static_oracle_hit_rate(trace: Trace, slots: int) -> float:
@@ -190,13 +150,22 @@ def static_oracle_hit_rate(trace: Trace, slots: int) -> float:
     return sum(c for _, c in counts.most_common(slots)) / total
 
 
+def _range(v: np.ndarray) -> str:
+    return f"{v.min():.2f}-{v.max():.2f}"
+
+
+def _spread(v: np.ndarray) -> str:
+    return f"{v.mean():.2f} ({_range(v)})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", type=Path, default=ROOT / "examples" / "stdlib-moe")
     ap.add_argument("--routing", type=Path, default=ROOT.parent / "shared" / "routing")
-    ap.add_argument("--plot", type=Path, default=ROOT / "benchmarks" / "routing_lru.png")
+    ap.add_argument("--plot", type=Path, default=ROOT / "benchmarks" / "routing_ring.png")
     args = ap.parse_args()
-    traces = [bundled_trace(args.model)]
+    bundled, guess = bundled_trace(args.model)
+    traces = [bundled]
     if (args.routing / "deepseek-v2-lite").is_dir():
         traces.append(deepseek_trace(args.routing / "deepseek-v2-lite"))
     if (args.routing / "mixtral-8x7b").is_dir():
@@ -208,28 +177,36 @@ def main() -> None:
     for tr in traces:
         share, ent = usage_skew(tr)
         reuse = next_token_reuse(tr)
-        print(f"| {tr.name} | {tr.kind} | {tr.layers} x {tr.n_experts}, top-{tr.top_k} | {tr.tokens:,} | "
-              f"{share.mean():.2f} ({share.min():.2f}-{share.max():.2f}) | {ent.mean():.2f} ({ent.min():.2f}-{ent.max():.2f}) | "
-              f"{reuse.mean():.2f} ({reuse.min():.2f}-{reuse.max():.2f}); random {tr.top_k / tr.n_experts:.2f} |")
+        print(f"| {tr.name} | {tr.kind} | {tr.layers} x {tr.n_experts}, top-{tr.top_k} | {tr.tokens_total:,} | "
+              f"{_spread(share)} | {_spread(ent)} | {_spread(reuse)}; random {tr.top_k / tr.n_experts:.2f} |")
 
-    print("\n| model | ring (share of all experts) | slots | LRU hit rate | per-layer range | static oracle |")
-    print("|---|---|---|---|---|---|")
+    print(f"\nbundled model: layer l+1's router on layer l's FFN input names {guess:.2f} of layer l+1's top-"
+          f"{bundled.top_k} (teacher-forced held-out text)")
+    print("\n| model | ring (share of all experts) | slots | LRU hit rate (per-layer range) | routing policy hit rate "
+          "(per-layer range) | records read per token, LRU / routing (of which read ahead; share used) "
+          "| Belady bound | static oracle |")
+    print("|---|---|---|---|---|---|---|---|")
     curves = {}
     for tr in traces:
         total = tr.layers * tr.n_experts
-        xs, lru, oracle = [], [], []
+        xs, lru, ours, oracle = [], [], [], []
         for f in FRACTIONS:
             slots = max(tr.top_k, round(f * total))
-            hit, per_layer = lru_hit_rate(tr, slots)
+            (base, per_layer), (run, ours_layer) = ring_policies(tr, slots)
+            hit, lru_reads = base.hit_rate, base.reads_per_token
             best = static_oracle_hit_rate(tr, slots)
             xs.append(slots / total)
             lru.append(hit)
-            oracle.append(best)
-            print(f"| {tr.name} | {slots / total:.0%} | {slots} | {hit:.3f} | {per_layer.min():.2f}-{per_layer.max():.2f} "
-                  f"| {best:.3f} |")
-        curves[tr.name] = (xs, lru, oracle)
+            ours.append(run.hit_rate)
+            oracle.append(belady_hit_rate(tr, slots))
+            print(f"| {tr.name} | {slots / total:.0%} | {slots} | {hit:.3f} ({_range(per_layer)}) "
+                  f"| {run.hit_rate:.3f} ({_range(ours_layer)}) | {lru_reads:.1f} / "
+                  f"{run.reads_per_token:.1f} ({run.ahead_per_token:.1f}; {run.ahead_used:.2f}) | {oracle[-1]:.3f} "
+                  f"| {best:.3f} |", flush=True)
+        curves[tr.name] = (xs, lru, ours, oracle)
 
-    print("\n| model | device tier (share of all experts) | policy | hit rate | per-layer range | promotions per token |")
+    print("\n| model | device tier (share of all experts) | policy | hit rate | per-layer range "
+          "| promotions per token |")
     print("|---|---|---|---|---|---|")
     for tr in traces:
         total = tr.layers * tr.n_experts
@@ -237,16 +214,16 @@ def main() -> None:
             slots = max(1, round(f * total))
             for name in POLICIES:
                 hit, per_layer, promos = tier_hit_rate(tr, name, slots)
-                print(f"| {tr.name} | {f:.0%} ({slots}) | {name} | {hit:.3f} | {per_layer.min():.2f}-{per_layer.max():.2f} "
-                      f"| {promos:.2f} |")
+                print(f"| {tr.name} | {f:.0%} ({slots}) | {name} | {hit:.3f} | {_range(per_layer)} | {promos:.2f} |")
 
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
-    for name, (xs, lru, oracle) in curves.items():
-        line, = ax.plot(xs, lru, marker="o", label=f"{name}: LRU ring")
-        ax.plot(xs, oracle, linestyle="--", color=line.get_color(), label=f"{name}: static oracle")
+    for name, (xs, lru, ours, oracle) in curves.items():
+        line, = ax.plot(xs, ours, marker="o", label=f"{name}: routing policy")
+        ax.plot(xs, lru, marker=".", linestyle=":", color=line.get_color(), label=f"{name}: LRU")
+        ax.plot(xs, oracle, linestyle="--", color=line.get_color(), label=f"{name}: Belady bound")
     ax.set_xscale("log")
     ax.set_xlabel("ring size (share of all routed experts)")
     ax.set_ylabel("hit rate")
