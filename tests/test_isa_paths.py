@@ -59,7 +59,10 @@ def test_every_isa_path_decodes_as_the_scalar_one(vault):
 
 @pytest.mark.skipif(len(PATHS) < 3, reason="needs AVX2 and AVX-512")
 def test_the_int8_paths_of_avx2_and_avx512_agree(vault):
-    """The fast default's integer dot products are the same integers on both; only float order differs."""
+    """The fast default's integer dot products are the same integers on both (test_kernels holds each against
+    its reference); only float order differs. That 1-ulp difference can round one int8 activation the other
+    way, which moves every later logit by about one quantisation step (0.08 on this model, whose logits
+    span about 5) and no more: a wrong kernel moves them by the logits' own size."""
     a, b = decode(vault, "avx2", "fast"), decode(vault, "avx512", "fast")
     assert np.array_equal(a.argmax(-1), b.argmax(-1))
-    assert np.abs(a - b).max() < 1e-3
+    assert np.abs(a - b).max() < 0.5
