@@ -5,6 +5,8 @@ replaced by the trace's, token by token, under a memory limit.
                                       [--routing ../shared/routing] [--work bench-data/replay] [--json]
                                       [--plot benchmarks/trace_replay.png]
 
+--trace names a trace under --routing (deepseek-v2-lite, mixtral-8x7b) or is its directory.
+
 The vault has the traced model's expert geometry (hidden size, expert size, expert count, top-k, layer
 count) in a supported family (DeepSeek-V2-Lite: Qwen2-MoE with a gated shared expert of the size of its two;
 Mixtral-8x7B: Mixtral) and random weights: the disk and the memory do not care. It is built once under
@@ -201,7 +203,8 @@ def worker(spec: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--trace", required=True, choices=sorted(GEOMETRIES))
+    ap.add_argument("--trace", required=True, help=f"a trace's name ({', '.join(sorted(GEOMETRIES))}) "
+                    "or its directory")
     ap.add_argument("--limit-fraction", type=float, nargs="+", default=[0.25, 0.5, 0.75],
                     help="the ring's share of the vault (the cgroup limit is that plus ENGINE_HEADROOM)")
     ap.add_argument("--tokens", type=int, default=200, help="tokens replayed per run (whole sequences, in order)")
@@ -212,6 +215,10 @@ def main() -> None:
     ap.add_argument("--plot", type=Path, help="a PNG of tok/s and hit rate against the ring's share")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if Path(args.trace).is_dir():  # the trace's own directory: its name says which
+        args.routing, args.trace = Path(args.trace).resolve().parent, Path(args.trace).resolve().name
+    if args.trace not in GEOMETRIES:
+        ap.error(f"--trace: no replay geometry for {args.trace!r}; known: {', '.join(sorted(GEOMETRIES))}")
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return
