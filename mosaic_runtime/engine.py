@@ -44,9 +44,11 @@ class Stats:
     """What the engine did: expert cache per layer since open, and the last generate() call."""
 
     hits: dict[int, int] = field(default_factory=dict)  # layer -> ring hits
-    misses: dict[int, int] = field(default_factory=dict)  # layer -> records read
-    bytes_read: int = 0  # read because a layer asked
+    misses: dict[int, int] = field(default_factory=dict)  # layer -> records a layer asked for and had to read
+    bytes_read: int = 0  # read for the layers: their misses, and the records read ahead of them
     preload_bytes: int = 0  # read ahead of need by preload, counted as each read is accounted
+    ahead_reads: int = 0  # records read ahead of the next layer in decode steps (their bytes are in bytes_read)
+    ahead_used: int = 0  # ... of which that layer then asked for
     io_s: float = 0.0  # waiting for expert reads
     kernel_s: float = 0.0  # in the native expert kernel
     prompt_tokens: int = 0
@@ -323,6 +325,7 @@ class Engine:
         s.hits = {layer: v.hits for layer, v in sorted(c.items())}
         s.misses = {layer: v.misses for layer, v in sorted(c.items())}
         s.bytes_read, s.preload_bytes = self.store.io.bytes_read, self.store.io.preload_bytes
+        s.ahead_reads, s.ahead_used = self.store.io.ahead_reads, self.store.io.ahead_used
         s.io_s = self.store.io.io_s - self._io_mark
         s.kernel_s = self.model.experts.kernel_s - self._kernel_mark
         if isinstance(self.model.experts, TieredExperts):

@@ -65,6 +65,7 @@ def test_same_tokens_with_the_tier_on_or_off(model_dir, reference, policy, share
         routed = (len(PROMPT) + STEPS) * 2
         assert all(2 * STEPS < c.hits + c.misses <= routed for c in stats.tier.values())
         assert set(tier.cache.where) == tier.policy.resident  # the cache holds exactly what the policy says
+        assert engine.store.policy._turns.sum() == 2 * STEPS  # the ring's policy saw every decode step route
         assert tier.cache.resident_bytes <= budget
         assert stats.device_bytes_copied == promotions * tier.cache.layout.payload_bytes
         if share == 0.0:

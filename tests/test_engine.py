@@ -364,3 +364,35 @@ def test_read_ahead_changes_no_bit_and_is_used(model_dir):
     held = {key: slot for key, slot in store.policy.where.items() if slot not in store._reading}
     table = {(int(l), int(e)): int(store.slot_table[l, e]) for l, e in zip(*(store.slot_table >= 0).nonzero())}
     assert table == held
+
+
+def test_records_a_layer_just_read_can_be_given_back(model_dir):
+    """Memory pressure between layers: the records the last layer read are unpinned, so shrink takes them."""
+    engine = Engine.open(model_dir, ram_budget=4 * record_bytes(model_dir), max_seq=64, preload=False,
+                         watch_memory=False)
+    store = engine.store
+    n = store.policy.usable
+    store.release(store.acquire(1, list(range(n))))
+    store.release(store.acquire(0, list(range(n))))  # the whole ring again, each record evicting one
+    assert store.shrink(2) == 2 and store.policy.usable == n - 2
+
+
+def test_reads_ahead_still_in_flight_do_not_starve_a_layer(model_dir, monkeypatch):
+    """Every slot pinned or reading ahead when a layer misses: it waits for the reads ahead and takes one
+    of their slots, instead of failing with the ring 'all in use' (and leaves nothing pinned if it fails)."""
+    engine = Engine.open(model_dir, ram_budget=4 * record_bytes(model_dir), max_seq=64, preload=False,
+                         watch_memory=False)
+    store = engine.store
+    n = store.policy.usable
+    store.begin_step(5)
+    store.routed(0, [0, 1])
+    held = store.acquire(0, [0, 1])
+    assert store.read_ahead(0, held) == 2  # two free slots: layer 1's likeliest records go there
+    held += store.acquire(3, list(range(n - 4)))  # the rest of the ring, pinned
+    reap = store._reap_ahead
+    calls = []
+    monkeypatch.setattr(store, "_reap_ahead", lambda: calls.append(1) if len(calls) == 0 else reap())
+    extra = store.acquire(3, [7])  # a miss; the reads ahead count as still in flight at first
+    assert extra[0] not in held
+    store.release(held + extra)
+    assert not store._pinned and not store._reading

@@ -30,7 +30,7 @@ IO_THREADS = 4  # reads in flight at once; more did not help on this machine's d
 
 @dataclass
 class IOCounters:
-    bytes_read: int = 0  # by the layers' own reads
+    bytes_read: int = 0  # by the layers' own reads and read_ahead's
     reads: int = 0
     preload_bytes: int = 0  # by preload's background reads, counted as they are accounted (reap, first use)
     io_s: float = 0.0  # time the kernel stood waiting for records (reads overlapped with compute excluded)
@@ -71,7 +71,15 @@ class ExpertStore:
         self._reap_ahead()
         self.policy.rescore()
         found = [self.policy.lookup((layer, e)) for e in experts]
+        pinned_before = set(self._pinned)
         self._pinned.update(s for s in found if s is not None)
+        try:
+            return self._acquire(layer, experts, found)
+        except BaseException:
+            self.release(sorted(self._pinned - pinned_before))  # nothing this call pinned stays pinned
+            raise
+
+    def _acquire(self, layer: int, experts: list[int], found: list[int | None]) -> list[int]:
         slots = []
         for e, slot in zip(experts, found):
             key = (layer, e)
@@ -117,7 +125,18 @@ class ExpertStore:
     def _place(self, key: tuple[int, int]) -> int:
         """A slot for key (policy.place); whatever it held before is no longer held."""
         excluded = self._pinned | self._reading.keys() if not self.policy.free else set()  # only evicting needs it
-        slot = self.policy.place(key, excluded)
+        try:
+            slot = self.policy.place(key, excluded)
+        except RuntimeError:
+            # every slot is pinned or being read: reads ahead that no layer has asked for may hold the rest
+            ahead = [s for s in self._ahead if s in self._reading]
+            if not ahead:
+                raise
+            for s in ahead:
+                self.ring.wait(s)
+            self._reap_ahead()
+            self.policy.rescore()
+            slot = self.policy.place(key, self._pinned | self._reading.keys())
         self._took(slot, key)
         return slot
 
@@ -203,6 +222,7 @@ class ExpertStore:
         """Give up to `slots` ring slots' memory back to the system: free ones first, then the records the
         policy would evict first; never a pinned slot or one being read. Returns how many were given back;
         they hold nothing until grow() takes them again."""
+        self.policy.rescore()  # records placed since the last layer's turn count as evictable again
         victims = [(None, slot) for slot in self.policy.free]  # (a free slot is never being read)
         victims += [(key, slot) for key, slot in self.policy.evictable(self._pinned) if slot not in self._reading]
         for key, slot in victims[:slots]:

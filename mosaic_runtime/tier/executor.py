@@ -83,6 +83,8 @@ class TieredExperts(ExpertExecutor):
         w = topk_weights.float().cpu().numpy()
         experts, counts = np.unique(ids, return_counts=True)
         experts, counts = experts.tolist(), dict(zip(experts.tolist(), counts.tolist()))
+        if x.shape[0] == 1:  # a decode step: the ring's policy learns its routing, as on the CPU-only path
+            self.store.routed(layer, experts)
         decision = self.policy.access(layer, experts)
         resident = set(decision.hits)
         copied = [] if self.cost is None else [
