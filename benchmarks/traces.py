@@ -105,6 +105,7 @@ class RingRun:
 def ring_hit_rate(policy, trace: Trace) -> RingRun:
     """Drive `policy` (a cache.policy.RingPolicy) over the trace as ExpertStore would, token by token."""
     layers = trace.layers
+    reads_ahead = layers * trace.n_experts > policy.usable  # as ExpertStore.read_ahead: not when all fit
     hits = lookups = reads = ahead = used = 0
     pending: set[tuple[int, int]] = set()  # read ahead, not yet asked for
     for token, routes in trace.steps():
@@ -123,7 +124,7 @@ def ring_hit_rate(policy, trace: Trace) -> RingRun:
                     reads += 1
             hits += sum(s is not None for s in found)
             lookups += len(experts)
-            if layer + 1 < layers:
+            if reads_ahead and layer + 1 < layers:
                 planned = policy.plan_ahead(layer + 1, pinned)
                 pending.difference_update(k for k in list(pending) if k not in policy.where)
                 pending.update(k for k, _ in planned)

@@ -19,7 +19,7 @@ whom they evict:
   The same estimate says which records of the next layer to read ahead (`plan_ahead`, in a decode step
   once a layer has routed): one whose predicted use beats the record it would displace by AHEAD_MARGIN.
   On the DeepSeek-V2-Lite traces (benchmarks/RESULTS.md) this lifts the hit rate at a quarter of the
-  experts from LRU's 0.44 to 0.62 (Belady's bound: 0.71) while reading 3% more records.
+  experts from LRU's 0.44 to 0.62 (Belady, for demand reads: 0.71) while reading 3% more records.
 """
 
 from __future__ import annotations
