@@ -396,3 +396,21 @@ def test_reads_ahead_still_in_flight_do_not_starve_a_layer(model_dir, monkeypatc
     assert extra[0] not in held
     store.release(held + extra)
     assert not store._pinned and not store._reading
+
+
+def test_a_record_read_ahead_counts_as_used_when_the_native_loop_runs_it(model_dir):
+    """The native layer loop runs resident records without acquire: one read ahead is used all the same."""
+    engine = Engine.open(model_dir, ram_budget=4 * record_bytes(model_dir), max_seq=64, preload=False,
+                         watch_memory=False)
+    store = engine.store
+    store.begin_step(5)
+    store.routed(0, [0, 1])
+    held = store.acquire(0, [0, 1])
+    assert store.read_ahead(0, held) == 2
+    store.release(held)
+    ahead = sorted(e for (layer, e), slot in store.policy.where.items() if layer == 1)
+    for slot in list(store._reading):
+        store.ring.wait(slot)
+    store._reap_ahead()  # landed: in the slot table, as the native loop would find them
+    store.used(1, ahead)  # what ran_natively says of the layer
+    assert store.io.ahead_used == 2 and not store._ahead

@@ -111,16 +111,17 @@ class ExpertStore:
         if (slots < 0).any():
             return None
         self.used(layer, experts)
-        for slot in self._ahead.intersection(slots.tolist()):
-            self._ahead.discard(slot)
-            self.io.ahead_used += 1
         return slots.tolist()
 
     def used(self, layer: int, experts) -> None:
         """Account experts run from their held records without acquire (resident, the native layer loop):
-        hits, and most recently used, in that order."""
+        hits, and most recently used, in that order; a record read ahead for them has served."""
         for e in experts:
             self.policy.lookup((layer, e))
+        if self._ahead:
+            for slot in self._ahead.intersection(self.slot_table[layer, list(experts)].tolist()):
+                self._ahead.discard(slot)
+                self.io.ahead_used += 1
 
     def _place(self, key: tuple[int, int]) -> int:
         """A slot for key (policy.place); whatever it held before is no longer held."""
