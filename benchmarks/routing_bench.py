@@ -189,21 +189,21 @@ def main() -> None:
     curves = {}
     for tr in traces:
         total = tr.layers * tr.n_experts
-        xs, lru, ours, oracle = [], [], [], []
+        xs, lru, ours, belady = [], [], [], []
         for f in FRACTIONS:
             slots = max(tr.top_k, round(f * total))
             (base, per_layer), (run, ours_layer) = ring_policies(tr, slots)
             hit, lru_reads = base.hit_rate, base.reads_per_token
-            best = static_oracle_hit_rate(tr, slots)
+            static = static_oracle_hit_rate(tr, slots)
             xs.append(slots / total)
             lru.append(hit)
             ours.append(run.hit_rate)
-            oracle.append(belady_hit_rate(tr, slots))
+            belady.append(belady_hit_rate(tr, slots))
             print(f"| {tr.name} | {slots / total:.0%} | {slots} | {hit:.3f} ({_range(per_layer)}) "
                   f"| {run.hit_rate:.3f} ({_range(ours_layer)}) | {lru_reads:.1f} / "
-                  f"{run.reads_per_token:.1f} ({run.ahead_per_token:.1f}; {run.ahead_used:.2f}) | {oracle[-1]:.3f} "
-                  f"| {best:.3f} |", flush=True)
-        curves[tr.name] = (xs, lru, ours, oracle)
+                  f"{run.reads_per_token:.1f} ({run.ahead_per_token:.1f}; {run.ahead_used:.2f}) | {belady[-1]:.3f} "
+                  f"| {static:.3f} |", flush=True)
+        curves[tr.name] = (xs, lru, ours, belady)
 
     print("\n| model | device tier (share of all experts) | policy | hit rate | per-layer range "
           "| promotions per token |")
@@ -220,10 +220,10 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
-    for name, (xs, lru, ours, oracle) in curves.items():
+    for name, (xs, lru, ours, belady) in curves.items():
         line, = ax.plot(xs, ours, marker="o", label=f"{name}: routing policy")
         ax.plot(xs, lru, marker=".", linestyle=":", color=line.get_color(), label=f"{name}: LRU")
-        ax.plot(xs, oracle, linestyle="--", color=line.get_color(), label=f"{name}: Belady bound")
+        ax.plot(xs, belady, linestyle="--", color=line.get_color(), label=f"{name}: Belady bound")
     ax.set_xscale("log")
     ax.set_xlabel("ring size (share of all routed experts)")
     ax.set_ylabel("hit rate")

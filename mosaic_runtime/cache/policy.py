@@ -353,10 +353,11 @@ class RoutingPolicy(RingPolicy):
                 np.add.at(self._co, (layer, *pairs), 1)
             self._seen[rows, routes] += 1
             if self._token is not None:
-                self._count_token(routes)
+                self._count_token(rows, routes)
         routes.fill(-1)
 
-    def _count_token(self, routes: np.ndarray) -> None:
+    def _count_token(self, rows: np.ndarray, routes: np.ndarray) -> None:
+        """Add this step's routes [L, k] to its token's counts (rows: the layer index of each route row)."""
         entry = self._tokens.get(self._token)
         if entry is None:
             entry = self._tokens[self._token] = [np.zeros((len(self.layers), self.num_experts), np.uint8), 0]
@@ -368,5 +369,5 @@ class RoutingPolicy(RingPolicy):
         if counts.max() == 255:  # saturating: halve, keeping the proportions
             counts //= 2
             entry[1] //= 2
-        counts[np.arange(len(self.layers))[:, None], routes] += 1
+        counts[rows, routes] += 1
         entry[1] += 1
