@@ -5,6 +5,9 @@ reset, so a long conversation grows by pages and never by reallocation.
 A single sequence takes free pages lowest first, so its pages are normally one ascending run and the
 attention reads them as a view; any other order is gathered (a copy) before attention.
 
+A latent cache (multi-head latent attention) holds one row per position that serves as key and value
+alike: its values are its keys' (the same pool), so it stores half of what a keys-and-values cache would.
+
 The pool holds float32, bf16 or int8. An int8 cache keeps a float32 scale per (position, KV head) row
 beside it (symmetric: amax / 127; llama.cpp's q8_0 cache keeps one per 32 values), about a quarter of
 float32's bytes; its keys and values come back as Int8Rows.
@@ -52,16 +55,19 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class KVCache:
     def __init__(self, num_layers: int, max_seq: int, kv_heads: int, head_dim: int, dtype=torch.float32,
-                 page_tokens: int = PAGE_TOKENS):
-        self.max_seq, self.page_tokens = max_seq, page_tokens
+                 page_tokens: int = PAGE_TOKENS, shared: bool = False):
+        """shared: one row per position is key and value (a latent cache); v is k."""
+        self.max_seq, self.page_tokens, self.shared = max_seq, page_tokens, shared
         n_pages = -(-max_seq // page_tokens)
         # The pool, head-major so that one head's keys over a run of pages are contiguous: attention reads
         # them in place.
         shape = (num_layers, kv_heads, n_pages, page_tokens, head_dim)
-        self.k, self.v = zeroed_pool(shape, dtype), zeroed_pool(shape, dtype)
+        self.k = zeroed_pool(shape, dtype)
+        self.v = self.k if shared else zeroed_pool(shape, dtype)
         self.quantized = dtype == torch.int8
         if self.quantized:  # a scale per row, laid out as the rows are
-            self.k_scale, self.v_scale = zeroed_pool(shape[:4], torch.float32), zeroed_pool(shape[:4], torch.float32)
+            self.k_scale = zeroed_pool(shape[:4], torch.float32)
+            self.v_scale = self.k_scale if shared else zeroed_pool(shape[:4], torch.float32)
         self.free = list(range(n_pages))  # a heap: lowest page first
         self.pages: list[int] = []  # the sequence's page table: logical page -> pool page
 
@@ -82,13 +88,16 @@ class KVCache:
             return pool[layer, :, first:first + n].reshape(heads, -1, *row)[:, :end]
         return pool[layer][:, pages].reshape(heads, -1, *row)[:, :end]
 
-    def store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
-        """Write k, v [T, Hkv, D] at positions start..start+T-1; return the layer's keys and values for
-        positions 0..start+T-1, head-major: [Hkv, start+T, D] (an int8 cache: as Int8Rows)."""
+    def store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor | None):
+        """Write k, v [T, Hkv, D] at positions start..start+T-1 (a shared cache: k alone, v None); return
+        the layer's keys and values for positions 0..start+T-1, head-major: [Hkv, start+T, D] (an int8
+        cache: as Int8Rows)."""
         end = start + k.shape[0]
         self._reserve(end)
         if self.quantized:
-            (k, k_scale), (v, v_scale) = quantize_rows(k), quantize_rows(v)
+            k, k_scale = quantize_rows(k)
+            if not self.shared:
+                v, v_scale = quantize_rows(v)
         pos = start
         while pos < end:  # page by page
             page, offset = divmod(pos, self.page_tokens)
@@ -96,10 +105,12 @@ class KVCache:
             rows = slice(pos - start, pos - start + n)
             where = (layer, slice(None), self.pages[page], slice(offset, offset + n))
             self.k[where] = k[rows].transpose(0, 1)
-            self.v[where] = v[rows].transpose(0, 1)
             if self.quantized:
                 self.k_scale[where] = k_scale[rows].transpose(0, 1)
-                self.v_scale[where] = v_scale[rows].transpose(0, 1)
+            if not self.shared:
+                self.v[where] = v[rows].transpose(0, 1)
+                if self.quantized:
+                    self.v_scale[where] = v_scale[rows].transpose(0, 1)
             pos += n
         if self.quantized:
             return (Int8Rows(self._span(self.k, layer, end), self._span(self.k_scale, layer, end)),
@@ -141,12 +152,13 @@ class KVCache:
     def page_bytes(self) -> int:
         """What one page holds over every layer: keys, values and (int8) their row scales."""
         layers, heads, _, tokens, dim = self.k.shape
-        return self.bytes_for(layers, tokens, heads, dim, self.k.element_size(), page_tokens=tokens)
+        return self.bytes_for(layers, tokens, heads, dim, self.k.element_size(), page_tokens=tokens,
+                              shared=self.shared)
 
     @staticmethod
     def bytes_for(num_layers: int, max_seq: int, kv_heads: int, head_dim: int, itemsize: int = 4,
-                  page_tokens: int = PAGE_TOKENS) -> int:
-        """What a pool of these dimensions holds (keys and values; int8, itemsize 1: and their float32
-        row scales), before it is allocated."""
+                  page_tokens: int = PAGE_TOKENS, shared: bool = False) -> int:
+        """What a pool of these dimensions holds (keys and values, or a shared cache's one row; int8,
+        itemsize 1: and their float32 row scales), before it is allocated."""
         row = head_dim * itemsize + (4 if itemsize == 1 else 0)
-        return 2 * num_layers * (-(-max_seq // page_tokens)) * page_tokens * kv_heads * row
+        return (1 if shared else 2) * num_layers * (-(-max_seq // page_tokens)) * page_tokens * kv_heads * row

@@ -11,6 +11,7 @@ null, false, zero or empty value, refuses the model: it would otherwise run sile
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 
@@ -60,6 +61,39 @@ class Attention:
     def scale(self) -> float:
         return self.head_dim ** -0.5
 
+    @property
+    def cache_geometry(self) -> tuple[int, int, bool]:
+        """(heads, values a head, whether keys and values are one row) of the KV cache."""
+        return self.kv_heads, self.head_dim, False
+
+
+@dataclass(frozen=True)
+class LatentAttention:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2). Keys and values of every head come from one
+    latent per token: kv_lora_rank normed values and a shared rope key of rope_dim, which is all the KV
+    cache holds. The query is q_proj (q_lora_rank 0) or q_b_proj(norm(q_a_proj)); per head its first
+    nope_dim values meet the latent through kv_b_proj's key rows, its last rope_dim the rope key."""
+
+    heads: int
+    q_lora_rank: int  # 0: a plain q_proj
+    kv_lora_rank: int
+    nope_dim: int
+    rope_dim: int
+    v_dim: int
+    rope_interleave: bool  # the checkpoint's rope rows rotate in adjacent pairs: permuted at load to halves
+    scale: float  # softmax scale: (nope_dim + rope_dim) ** -0.5, times YaRN's mscale(mscale_all_dim) squared
+    rope: Rope
+
+    @property
+    def latent_dim(self) -> int:
+        """Values a token a layer in the KV cache."""
+        return self.kv_lora_rank + self.rope_dim
+
+    @property
+    def cache_geometry(self) -> tuple[int, int, bool]:
+        """(heads, values a head, whether keys and values are one row) of the KV cache: one latent row."""
+        return 1, self.latent_dim, True
+
 
 @dataclass(frozen=True)
 class DeltaNet:
@@ -102,7 +136,7 @@ class Ffn:
 
 @dataclass(frozen=True)
 class LayerRecipe:
-    mixer: Attention | DeltaNet
+    mixer: Attention | LatentAttention | DeltaNet
     ffn: Ffn
 
 
@@ -119,15 +153,17 @@ class ModelRecipe:
 
     @property
     def attention_layers(self) -> list[int]:
-        return [i for i, layer in enumerate(self.layers) if isinstance(layer.mixer, Attention)]
+        """The layers with a KV cache: softmax attention, latent or not."""
+        return [i for i, layer in enumerate(self.layers) if isinstance(layer.mixer, (Attention, LatentAttention))]
 
     @property
     def delta_layers(self) -> list[int]:
         return [i for i, layer in enumerate(self.layers) if isinstance(layer.mixer, DeltaNet)]
 
     @property
-    def attention(self) -> Attention | None:
-        """The attention geometry every attention layer shares (the KV cache's), None if there is none."""
+    def attention(self) -> Attention | LatentAttention | None:
+        """The attention geometry every attention layer shares (the KV cache's, the RoPE's), None if there
+        is none."""
         att = [self.layers[i].mixer for i in self.attention_layers]
         return att[0] if att else None
 
@@ -210,6 +246,7 @@ def read_recipe(arch: dict) -> ModelRecipe:
         rope=Rope(float(rope["theta"]), rot_dim, rope_kind, rope.get("scaling"), a.get("max_position_embeddings", 0)))
     if attention["heads"] % attention["kv_heads"]:
         raise NotImplementedError(f"{attention['heads']} query heads do not share {attention['kv_heads']} KV heads evenly")
+    latent = _latent_attention(a.get("latent_attention"), attention) if a.get("latent_attention") else None
     la = a.get("linear_attention")
     delta = None
     if la:
@@ -239,7 +276,12 @@ def read_recipe(arch: dict) -> ModelRecipe:
         elif mixer_type in ("full_attention", "sliding_attention"):
             if mixer_type == "sliding_attention" and not window:
                 raise NotImplementedError(f"layer {i} is sliding-window attention without a sliding_window")
-            mixer = Attention(sliding_window=window if mixer_type == "sliding_attention" else None, **attention)
+            if latent is not None:
+                if mixer_type == "sliding_attention":
+                    raise NotImplementedError(f"layer {i}: latent attention over a sliding window is not supported")
+                mixer = latent
+            else:
+                mixer = Attention(sliding_window=window if mixer_type == "sliding_attention" else None, **attention)
         else:
             raise NotImplementedError(f"layer {i}: layer type {mixer_type!r} is not supported")
         if kind == "moe":
@@ -255,6 +297,28 @@ def read_recipe(arch: dict) -> ModelRecipe:
         eos_token_ids=tuple(a.get("eos_token_ids") or ()), layers=tuple(layers))
     a.check_all_read()
     return recipe
+
+
+def _latent_attention(mla: dict, attention: dict) -> LatentAttention:
+    """The latent-attention block; its rope is the attention's, rotating the rope_dim values. The softmax
+    scale follows DeepSeek: under a scaled RoPE with mscale_all_dim, times mscale(factor, mscale_all_dim)^2."""
+    if attention["qkv_bias"] or attention["o_bias"]:
+        raise NotImplementedError("latent attention with projection biases is not supported")
+    nope, rope_dim = int(mla["qk_nope_head_dim"]), int(mla["qk_rope_head_dim"])
+    if rope_dim % 2 or rope_dim <= 0:
+        raise NotImplementedError(f"a rotary width of {rope_dim} is not supported")
+    rope = attention["rope"]
+    rope = Rope(rope.theta, rope_dim, rope.kind, rope.scaling, rope.max_position_embeddings)
+    scale = (nope + rope_dim) ** -0.5
+    s = rope.scaling or {}
+    if rope.kind != "default" and s.get("mscale_all_dim"):
+        factor = float(s["factor"])
+        m = 0.1 * float(s["mscale_all_dim"]) * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= m * m
+    return LatentAttention(heads=attention["heads"], q_lora_rank=int(mla.get("q_lora_rank") or 0),
+                           kv_lora_rank=int(mla["kv_lora_rank"]), nope_dim=nope, rope_dim=rope_dim,
+                           v_dim=int(mla["v_head_dim"]), rope_interleave=bool(mla.get("rope_interleave")),
+                           scale=scale, rope=rope)
 
 
 def _projections(value: str) -> bool:

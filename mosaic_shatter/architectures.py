@@ -264,6 +264,59 @@ def glm4_moe_arch(cfg: dict, generation_cfg: dict | None) -> dict:
         default_partial_rotary=0.5)
 
 
+# --- deepseek_v2, deepseek_v3, kimi_k2 (multi-head latent attention) ------------------------------------
+def _deepseek_arch(cfg: dict, generation_cfg: dict | None, *, v3: bool) -> dict:
+    """DeepSeek-V2 / V2-Lite, DeepSeek-V3 / R1 and Kimi-K2: multi-head latent attention (the latent_attention
+    block), the first `first_k_dense_replace` layers dense then every `moe_layer_freq`-th MoE, shared experts
+    without a gate, an MTP layer after the last (V3, left out). V2 routes by softmax, greedy or
+    group-limited (groups ranked by their best score), its weights scaled by routed_scaling_factor, or
+    renormalised instead when norm_topk_prob (as DeepSeek's own code); V3 by sigmoid with the correction
+    bias and noaux_tc groups. RoPE rotates interleaved pairs in both (V3 unless `rope_interleave` is false)."""
+    n_layers = _layers(cfg)
+    n_experts = int(_get(cfg, "n_routed_experts", "num_local_experts", default=0))
+    dense, freq = int(_get(cfg, "first_k_dense_replace", default=0)), int(_get(cfg, "moe_layer_freq", default=1))
+    if freq < 1:
+        raise UnsupportedModel(f"moe_layer_freq = {freq}: expected at least 1")
+    if cfg.get("attention_bias"):
+        raise UnsupportedModel("latent attention with attention_bias is not supported")
+    scoring = cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    if not v3 and (scoring != "softmax" or method not in ("greedy", "group_limited_greedy")):
+        raise UnsupportedModel(f"DeepSeek-V2 routing by {scoring} / {method} is not supported")
+    if v3 and (scoring, method) != ("sigmoid", "noaux_tc"):
+        raise UnsupportedModel(f"DeepSeek-V3 routing by {scoring} / {method} is not supported")
+    norm_topk = bool(cfg.get("norm_topk_prob", v3))
+    scaling = float(_get(cfg, "routed_scaling_factor", default=1.0))
+    if norm_topk and not v3:
+        scaling = 1.0
+    nope, rope = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
+    arch = decoder_arch(
+        {**cfg, "head_dim": nope + rope}, generation_cfg,
+        layer_kinds=["moe" if n_experts and i >= dense and i % freq == 0 else "dense" for i in range(n_layers)],
+        layer_types=["full_attention"] * n_layers, num_experts=n_experts,
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]), norm_topk_prob=norm_topk, scoring_func=scoring,
+        topk_method=method, n_group=int(_get(cfg, "n_group", default=1)),
+        topk_group=int(_get(cfg, "topk_group", default=1)), routed_scaling_factor=scaling, router_score_bias=v3,
+        shared_expert_intermediate_size=int(cfg["moe_intermediate_size"]) * int(_get(cfg, "n_shared_experts", default=0)))
+    arch["latent_attention"] = {
+        "q_lora_rank": int(_get(cfg, "q_lora_rank", default=0)),
+        "kv_lora_rank": int(cfg["kv_lora_rank"]),
+        "qk_nope_head_dim": nope,
+        "qk_rope_head_dim": rope,
+        "v_head_dim": int(cfg["v_head_dim"]),
+        "rope_interleave": bool(cfg.get("rope_interleave", True)) if v3 else True,
+    }
+    return arch
+
+
+def deepseek_v2_arch(cfg: dict, generation_cfg: dict | None) -> dict:
+    return _deepseek_arch(cfg, generation_cfg, v3=False)
+
+
+def deepseek_v3_arch(cfg: dict, generation_cfg: dict | None) -> dict:
+    return _deepseek_arch(cfg, generation_cfg, v3=True)
+
+
 # --- qwen3_next, qwen3_5_moe, qwen3_5_moe_text (hybrid: Gated DeltaNet + gated attention) --------------
 def _hybrid_types(cfg: dict, n_layers: int) -> list[str]:
     """transformers' rule: the config's layer_types, else every full_attention_interval-th layer is full."""
@@ -364,6 +417,9 @@ ARCHITECTURES = {
     "olmoe": Architecture("olmoe", olmoe_arch, qwen3_moe_role),
     "mixtral": Architecture("mixtral", mixtral_arch, mixtral_role, mixtral_backbone_name),
     "glm4_moe": Architecture("glm4_moe", glm4_moe_arch, qwen3_moe_role),
+    "deepseek_v2": Architecture("deepseek_v2", deepseek_v2_arch, qwen3_moe_role),
+    "deepseek_v3": Architecture("deepseek_v3", deepseek_v3_arch, qwen3_moe_role),
+    "kimi_k2": Architecture("kimi_k2", deepseek_v3_arch, qwen3_moe_role),  # DeepseekV3ForCausalLM
     "qwen3_next": Architecture("qwen3_next", qwen3_next_arch, qwen3_next_role),
     "qwen3_5_moe": Architecture("qwen3_5_moe", qwen3_5_moe_arch, qwen3_5_moe_role, qwen3_5_moe_backbone_name),
     "qwen3_5_moe_text": Architecture("qwen3_5_moe_text", qwen3_5_moe_text_arch, qwen3_next_role),

@@ -2,7 +2,8 @@
 does not take), and decode steps through the native step (native_step.py) where it applies.
 
 Per layer: x += mixer(norm(x)), then x += ffn(norm(x)). Mixers: attention (GQA, optional biases, q/k norm
-per head or over the projection, clipping, output gate, partial RoPE, a sliding window) or Gated DeltaNet;
+per head or over the projection, clipping, output gate, partial RoPE, a sliding window), multi-head latent
+attention or Gated DeltaNet;
 FFNs: routed experts through the executor (with an optional, optionally gated, shared expert) or a dense
 MLP. Routed experts run in the executor the model is given; the model never touches vaults or rings.
 """
@@ -17,10 +18,10 @@ from ..ops import linear
 from ..routing import route
 from .base import cached_attention, rms_norm, swiglu
 from .delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from ..recipe import Attention, DeltaNet, Ffn, ModelRecipe, QkNorm
+from ..recipe import Attention, DeltaNet, Ffn, LatentAttention, ModelRecipe, QkNorm
 from .rope import Rotary
 from .state import SequenceState
-from .weights import AttentionWeights, DeltaNetWeights, FfnWeights, ModelWeights
+from .weights import AttentionWeights, DeltaNetWeights, FfnWeights, LatentWeights, ModelWeights
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -75,6 +76,24 @@ class Decoder:
             o = o * torch.sigmoid(gate)
         o = linear(o, w.o)
         return o + w.o_bias if att.o_bias else o
+
+    def latent_attention(self, att: LatentAttention, w: LatentWeights, slot: int, x: torch.Tensor, start: int,
+                         rope) -> torch.Tensor:
+        """Multi-head latent attention over a latent cache, with kv_b_proj absorbed: each head's query
+        meets the latent through its key rows of kv_b_proj, and its attended latent leaves through its value
+        rows, so keys and values are never expanded per head (prefill included)."""
+        t, h, eps = x.shape[0], att.heads, self.recipe.eps
+        q = linear(rms_norm(linear(x, w.q_a), w.q_a_norm, eps), w.q_b) if att.q_lora_rank else linear(x, w.q)
+        q_nope, q_pe = q.view(t, h, att.nope_dim + att.rope_dim).split([att.nope_dim, att.rope_dim], dim=-1)
+        c, k_pe = linear(x, w.kv_a).split([att.kv_lora_rank, att.rope_dim], dim=-1)
+        latent = torch.cat([rms_norm(c, w.kv_a_norm, eps), self.rotary.apply(k_pe[:, None, :], rope)[:, 0]], dim=-1)
+        cache, _ = self.state.kv.store(slot, start, latent[:, None, :], None)
+        kv_b = w.kv_b.view(h, att.nope_dim + att.v_dim, att.kv_lora_rank).to(q.dtype)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), kv_b[:, :att.nope_dim])  # [heads, T, kv_lora_rank]
+        q = torch.cat([q_latent.transpose(0, 1), self.rotary.apply(q_pe, rope)], dim=-1)  # [T, heads, latent]
+        o = cached_attention(q, cache, cache, start, att.scale).view(t, h, att.latent_dim)[..., :att.kv_lora_rank]
+        o = torch.bmm(o.transpose(0, 1), kv_b[:, att.nope_dim:].transpose(1, 2))  # [heads, T, v_dim]
+        return linear(o.transpose(0, 1).reshape(t, h * att.v_dim), w.o)
 
     def delta_net(self, dn: DeltaNet, w: DeltaNetWeights, slot: int, x: torch.Tensor) -> torch.Tensor:
         t, kd = x.shape[0], dn.key_heads * dn.key_dim
@@ -140,6 +159,8 @@ class Decoder:
             h = rms_norm(x, w.input_norm, eps)
             if isinstance(layer.mixer, Attention):
                 x = x + self.attention(layer.mixer, w.mixer, state.slot[i], h, start, rope)
+            elif isinstance(layer.mixer, LatentAttention):
+                x = x + self.latent_attention(layer.mixer, w.mixer, state.slot[i], h, start, rope)
             else:
                 x = x + self.delta_net(layer.mixer, w.mixer, state.slot[i], h)
             x = x + self.ffn(i, layer.ffn, w.ffn, rms_norm(x, w.post_norm, eps))

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class WeightNames:
     """Tensor names; `{i}` is the layer index. Attention tensors are `attention` + q_proj / k_proj / v_proj /
-    o_proj (.weight, .bias) and q_norm / k_norm (.weight); Gated DeltaNet ones `delta_net` + in_proj_qkv,
+    o_proj (.weight, .bias) and q_norm / k_norm (.weight); latent attention's `attention` + q_proj (or
+    q_a_proj, q_a_layernorm, q_b_proj), kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj; Gated DeltaNet ones `delta_net` + in_proj_qkv,
     in_proj_z, in_proj_b, in_proj_a (or Qwen3-Next's in_proj_qkvz, in_proj_ba), conv1d, A_log, dt_bias,
     norm, out_proj; MLPs (dense or shared expert) their prefix + gate_proj / up_proj / down_proj."""
 
@@ -41,6 +42,9 @@ FAMILIES: dict[str, WeightNames] = {
     "olmoe": WeightNames(),  # OLMoE-1B-7B
     "mixtral": WeightNames(),  # Mixtral-8x7B, 8x22B (router renamed to mlp.gate by the converter)
     "glm4_moe": WeightNames(shared_expert="mlp.shared_experts."),  # GLM-4.5, 4.5-Air, 4.6
+    "deepseek_v2": WeightNames(shared_expert="mlp.shared_experts."),  # DeepSeek-V2, V2-Lite
+    "deepseek_v3": WeightNames(shared_expert="mlp.shared_experts."),  # DeepSeek-V3, R1
+    "kimi_k2": WeightNames(shared_expert="mlp.shared_experts."),  # Kimi-K2, K2-Thinking
     "qwen3_next": WeightNames(),  # Qwen3-Next-80B-A3B
     "qwen3_5_moe": WeightNames(),  # Qwen3.5 / 3.6-35B-A3B (multimodal save, prefix removed by the converter)
     "qwen3_5_moe_text": WeightNames(),  # Qwen3.5 / 3.6 text-only saves

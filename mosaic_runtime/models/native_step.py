@@ -14,7 +14,7 @@ import torch
 from .. import _native
 from ..backbone import Q4Matrix, QuantizedMatrix
 from ..ops import Q4_ISA, threads
-from ..recipe import Attention, DeltaNet, QkNorm, Scoring, TopkMethod
+from ..recipe import Attention, DeltaNet, LatentAttention, QkNorm, Scoring, TopkMethod
 
 _D = _native.decode
 _QK_NORM = {QkNorm.NONE: 0, QkNorm.HEAD: 1, QkNorm.PROJECTION: 2}
@@ -110,6 +110,8 @@ def _matrix(w):
 def _layer(model, i: int):
     recipe, w, H = model.recipe.layers[i], model.weights.layers[i], model.recipe.hidden
     slot = model.state.slot[i]
+    if isinstance(recipe.mixer, LatentAttention):
+        raise _Unsupported  # latent attention decodes through the torch path
     if isinstance(recipe.mixer, Attention):
         a, aw = recipe.mixer, w.mixer
         mixer = _D.AttentionMixer(

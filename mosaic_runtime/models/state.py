@@ -1,5 +1,5 @@
-"""What a sequence leaves behind: a KV cache for the attention layers only, and per Gated DeltaNet layer its
-conv window and recurrent state. Allocated once, at the size the recipe and max_seq give; the model reports
+"""What a sequence leaves behind: a KV cache for the attention layers only (one latent row per position for
+latent attention), and per Gated DeltaNet layer its conv window and recurrent state. Allocated once, at the size the recipe and max_seq give; the model reports
 that size before allocating it (bytes_for), so the engine gives the expert ring the rest."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kv_cache import KVCache
-from ..recipe import Attention, ModelRecipe
+from ..recipe import ModelRecipe
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,11 @@ class SequenceState:
     def __init__(self, recipe: ModelRecipe, max_seq: int, kv_dtype: torch.dtype = torch.float32):
         att, delta = recipe.attention, recipe.delta_layers
         self._max_seq = max_seq
-        self.kv = KVCache(len(recipe.attention_layers), max_seq, att.kv_heads, att.head_dim, kv_dtype) if att else None
+        if att is not None:
+            heads, dim, shared = att.cache_geometry
+            self.kv = KVCache(len(recipe.attention_layers), max_seq, heads, dim, kv_dtype, shared=shared)
+        else:
+            self.kv = None
         # slot[i]: layer i's row in the KV cache (attention) or in the DeltaNet states
         self.slot = [0] * len(recipe.layers)
         for kind in (recipe.attention_layers, delta):
@@ -82,11 +86,12 @@ class SequenceState:
     @staticmethod
     def bytes_for(recipe: ModelRecipe, max_seq: int, kv_dtype: torch.dtype) -> int:
         """What a state for this recipe and max_seq holds, before it is allocated."""
-        att: Attention | None = recipe.attention
+        att = recipe.attention
         total = 0
         if att is not None:
-            total += KVCache.bytes_for(len(recipe.attention_layers), max_seq, att.kv_heads, att.head_dim,
-                                       kv_dtype.itemsize)
+            heads, dim, shared = att.cache_geometry
+            total += KVCache.bytes_for(len(recipe.attention_layers), max_seq, heads, dim, kv_dtype.itemsize,
+                                       shared=shared)
         for i in recipe.delta_layers:
             dn = recipe.layers[i].mixer
             total += 4 * (dn.channels * (dn.conv_kernel - 1) + dn.value_heads * dn.key_dim * dn.value_dim)

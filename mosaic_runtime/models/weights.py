@@ -14,7 +14,7 @@ import torch
 
 from ..backbone import Q4Matrix, QuantizedMatrix
 from .families import WeightNames
-from ..recipe import Attention, DeltaNet, ModelRecipe, QkNorm
+from ..recipe import Attention, DeltaNet, LatentAttention, ModelRecipe, QkNorm
 
 Matrix = Union[torch.Tensor, QuantizedMatrix, Q4Matrix]  # [out, in]
 
@@ -31,6 +31,18 @@ class AttentionWeights:
     o_bias: torch.Tensor | None  # [H]
     q_norm: torch.Tensor | None  # [D] per head, or [heads * D] over the projection
     k_norm: torch.Tensor | None
+
+
+@dataclass
+class LatentWeights:
+    q: Matrix | None  # [heads * (nope + rope), H] when q_lora_rank is 0; per head its nope values, then rope
+    q_a: Matrix | None  # [q_lora_rank, H]
+    q_a_norm: torch.Tensor | None  # [q_lora_rank]
+    q_b: Matrix | None  # [heads * (nope + rope), q_lora_rank]
+    kv_a: Matrix  # [kv_lora_rank + rope, H]: the latent, then the shared rope key
+    kv_a_norm: torch.Tensor  # [kv_lora_rank]
+    kv_b: torch.Tensor  # [heads * (nope + v), kv_lora_rank] as stored: per head its key rows, then value rows
+    o: Matrix  # [H, heads * v]
 
 
 @dataclass
@@ -60,7 +72,7 @@ class FfnWeights:
 class LayerWeights:
     input_norm: torch.Tensor  # [H]
     post_norm: torch.Tensor  # [H]
-    mixer: AttentionWeights | DeltaNetWeights
+    mixer: AttentionWeights | LatentWeights | DeltaNetWeights
     ffn: FfnWeights
 
 
@@ -109,8 +121,12 @@ def load_weights(recipe: ModelRecipe, names: WeightNames, tensors: Mapping[str, 
     layers = []
     for i, layer in enumerate(recipe.layers):
         of = lambda name: names.of(i, name)  # noqa: E731
-        mixer = (_attention(t, of, names.attention, layer.mixer) if isinstance(layer.mixer, Attention)
-                 else _delta_net(t, of, names.delta_net, layer.mixer))
+        if isinstance(layer.mixer, Attention):
+            mixer = _attention(t, of, names.attention, layer.mixer)
+        elif isinstance(layer.mixer, LatentAttention):
+            mixer = _latent(t, of, names.attention, layer.mixer)
+        else:
+            mixer = _delta_net(t, of, names.delta_net, layer.mixer)
         ffn = layer.ffn
         mlp = names.shared_expert if ffn.router else names.dense_mlp
         gate, up, down = ((t.matrix(of(f"{mlp}{p}_proj.weight")) for p in ("gate", "up", "down"))
@@ -131,6 +147,42 @@ def _attention(t: _Tensors, of, prefix: str, att: Attention) -> AttentionWeights
         *(t.matrix(p(f"{n}_proj.weight")) for n in "qkvo"),
         *(t.optional(p(f"{n}_proj.bias"), att.qkv_bias) for n in "qkv"), t.optional(p("o_proj.bias"), att.o_bias),
         t.norm(p("q_norm.weight")) if norms else None, t.norm(p("k_norm.weight")) if norms else None)
+
+
+def _latent(t: _Tensors, of, prefix: str, att: LatentAttention) -> LatentWeights:
+    p = lambda name: of(prefix + name)  # noqa: E731
+    rows = att.nope_dim + att.rope_dim
+    if att.q_lora_rank:
+        q, q_a, q_a_norm, q_b = None, t.matrix(p("q_a_proj.weight")), t.norm(p("q_a_layernorm.weight")), \
+            t.matrix(p("q_b_proj.weight"))
+    else:
+        q, q_a, q_a_norm, q_b = t.matrix(p("q_proj.weight")), None, None, None
+    kv_a = t.matrix(p("kv_a_proj_with_mqa.weight"))
+    kv_b = t.matrix(p("kv_b_proj.weight"))
+    if not isinstance(kv_b, torch.Tensor):
+        raise NotImplementedError("kv_b_proj must be held as stored (it is absorbed into queries and outputs)")
+    if att.rope_interleave:  # pairs (0, 1), (2, 3)... to halves: the same rotation, as rotate-half computes it
+        pairs = torch.cat([torch.arange(0, att.rope_dim, 2), torch.arange(1, att.rope_dim, 2)])
+        q_index = torch.arange(att.heads * rows).view(att.heads, rows)
+        q_index[:, att.nope_dim:] = q_index[:, att.nope_dim:][:, pairs]
+        q_index = q_index.reshape(-1)
+        kv_index = torch.cat([torch.arange(att.kv_lora_rank), att.kv_lora_rank + pairs])
+        if q is not None:
+            q = permute_rows(q, q_index)
+        else:
+            q_b = permute_rows(q_b, q_index)
+        kv_a = permute_rows(kv_a, kv_index)
+    return LatentWeights(q, q_a, q_a_norm, q_b, kv_a, t.norm(p("kv_a_layernorm.weight")), kv_b,
+                         t.matrix(p("o_proj.weight")))
+
+
+def permute_rows(m: Matrix, index: torch.Tensor) -> Matrix:
+    """m with its rows in the order `index` gives; a quantised matrix's codes and row scales alike."""
+    if isinstance(m, QuantizedMatrix):
+        return QuantizedMatrix(m.codes[index].contiguous(), m.scales[index].contiguous(), m.fp8)
+    if isinstance(m, Q4Matrix):
+        return Q4Matrix(m.codes[index].contiguous(), m.scales[index].contiguous(), m.cols)
+    return m[index].contiguous()
 
 
 def _delta_net(t: _Tensors, of, prefix: str, dn: DeltaNet) -> DeltaNetWeights:
