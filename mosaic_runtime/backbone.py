@@ -8,23 +8,30 @@ its output matrix at 6 bits.
 
 Quantised: attention and DeltaNet projections, dense MLPs, shared experts and lm_head. Kept as stored:
 the embedding (a lookup), router gates and the shared-expert gate (routing is where a small error
-changes which experts run), norms and other vectors.
+changes which experts run), latent attention's kv_b_proj (absorbed into each head's query and output,
+models/weights.py), norms and other vectors.
+
+load_backbone quantises tensor by tensor as it reads the file, so a backbone that does not fit in memory
+as bf16 (DeepSeek-V3's 36 GB) loads in the memory its quantised form takes, plus one tensor.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, replace
 
 import torch
+from safetensors import safe_open
 
 from .memory import HUGE_PAGES, HugePageArena
+from .vault.format import Q4_BLOCK, Q4_BLOCK_BYTES
 from .vault.quant import dequantize_q4, quantize_q4
 
 BACKBONE_MODES = ("bf16", "int8", "fp8", "q4")
 FP8_MAX = 448.0  # largest finite E4M3 value
-_QUANTISED = re.compile(r"(self_attn\.[qkvo]_proj|linear_attn\.(in_proj_\w+|out_proj)|mlp\.(gate|up|down)_proj|"
-                        r"shared_experts?\.(gate|up|down)_proj)\.weight$|^lm_head\.weight$")
+_QUANTISED = re.compile(r"(self_attn\.([qkvo]_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa)|linear_attn\.(in_proj_\w+|out_proj)|"
+                        r"mlp\.(gate|up|down)_proj|shared_experts?\.(gate|up|down)_proj)\.weight$|^lm_head\.weight$")
 
 
 @dataclass
@@ -87,6 +94,35 @@ def quantize_matrix(w: torch.Tensor, mode: str) -> QuantizedMatrix | Q4Matrix:
     raise ValueError(f"quantize_matrix: mode must be 'int8', 'fp8' or 'q4', not {mode!r}")
 
 
+def _mode_of(name: str, mode: str, dims: int) -> str | None:
+    """What a backbone tensor becomes under a backbone mode: None (kept as stored), int8, fp8 or q4."""
+    if mode == "bf16" or dims != 2 or not _QUANTISED.search(name):
+        return None
+    return "int8" if mode == "q4" and name == "lm_head.weight" else mode
+
+
+def held_bytes(name: str, shape: tuple[int, ...], itemsize: int, mode: str) -> int:
+    """Bytes a backbone tensor takes in memory under a mode (what prepare_backbone makes of it), from its
+    name and shape alone."""
+    as_stored = itemsize * math.prod(shape)
+    held = _mode_of(name, mode, len(shape))
+    if held is None:
+        return as_stored
+    rows, cols = shape
+    if held == "q4":
+        return rows * -(-cols // Q4_BLOCK) * (Q4_BLOCK_BYTES + 2)  # codes, and an f16 scale a block
+    return rows * cols + 4 * rows  # int8 / E4M3 codes and a float32 scale a row
+
+
+def resident_bytes(tensors: dict[str, tuple[tuple[int, ...], int]], mode: str, tie_word_embeddings: bool) -> int:
+    """What a backbone of tensors {name: (shape, itemsize)} takes in memory under a mode."""
+    total = sum(held_bytes(name, shape, itemsize, mode) for name, (shape, itemsize) in tensors.items())
+    if tie_word_embeddings and mode != "bf16" and "lm_head.weight" not in tensors:  # its own quantised copy
+        shape, itemsize = tensors["model.embed_tokens.weight"]
+        total += held_bytes("lm_head.weight", shape, itemsize, mode)
+    return total
+
+
 def prepare_backbone(weights: dict[str, torch.Tensor], mode: str, tie_word_embeddings: bool) -> dict:
     """The backbone as the model should hold it: bf16 as stored, or its projections quantised."""
     if mode not in BACKBONE_MODES:
@@ -97,8 +133,34 @@ def prepare_backbone(weights: dict[str, torch.Tensor], mode: str, tie_word_embed
     if tie_word_embeddings and "lm_head.weight" not in out:  # the head gets its own quantised copy
         out["lm_head.weight"] = weights["model.embed_tokens.weight"]
     for name, w in out.items():
-        if w.dim() == 2 and _QUANTISED.search(name):
-            out[name] = quantize_matrix(w, "int8" if mode == "q4" and name == "lm_head.weight" else mode)
+        held = _mode_of(name, mode, w.dim())
+        if held is not None:
+            out[name] = quantize_matrix(w, held)
+    return out
+
+
+_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "I8": 1, "U8": 1}
+
+
+def file_tensors(path) -> dict[str, tuple[tuple[int, ...], int]]:
+    """{name: (shape, itemsize)} of a backbone file, from its header (no tensor is read)."""
+    with safe_open(str(path), framework="pt") as f:
+        return {name: (tuple(f.get_slice(name).get_shape()), _ITEMSIZE[f.get_slice(name).get_dtype()])
+                for name in f.keys()}
+
+
+def load_backbone(path, mode: str, tie_word_embeddings: bool) -> dict:
+    """prepare_backbone of a backbone file, read one tensor at a time: each is quantised before the next is
+    read, so loading never holds the whole file as stored."""
+    if mode not in BACKBONE_MODES:
+        raise ValueError(f"backbone must be one of {BACKBONE_MODES}, not {mode!r}")
+    out = {}
+    with safe_open(str(path), framework="pt") as f:
+        for name in f.keys():
+            out.update(prepare_backbone({name: f.get_tensor(name)}, mode, False))
+            if tie_word_embeddings and name == "model.embed_tokens.weight" and mode != "bf16" \
+                    and "lm_head.weight" not in f.keys():
+                out["lm_head.weight"] = quantize_matrix(out[name], _mode_of("lm_head.weight", mode, 2))
     return out
 
 

@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-from safetensors.torch import load_file
 
 from . import _native
-from .backbone import BACKBONE_MODES, on_huge_pages, prepare_backbone
+from .backbone import BACKBONE_MODES, file_tensors, load_backbone, on_huge_pages, resident_bytes
 from .cache.pressure import CHECK_EVERY_S, MemoryValve
 from .cache.store import ExpertStore
 from .experts import NativeExperts, TorchExperts
@@ -85,7 +84,7 @@ def ring_margin(free: int) -> int:
     return min(MARGIN_BYTES, max(free, 0) // 4)
 
 
-def ring_slots(vault, ram_budget: int | None, resident_bytes: int, limit: MemoryLimit) -> int:
+def ring_slots(vault, ram_budget: int | None, resident: int, limit: MemoryLimit) -> int:
     """How many records the ring holds.
 
     With a budget: budget // record_bytes. Without: what the process may still take (limits.memory_limit:
@@ -97,7 +96,7 @@ def ring_slots(vault, ram_budget: int | None, resident_bytes: int, limit: Memory
     if ram_budget is not None:
         budget = ram_budget
     else:
-        free = limit.available - resident_bytes
+        free = limit.available - resident
         budget = free - ring_margin(free)
     if budget < top_k * record:
         raise ValueError(f"a RAM budget of {budget:,} bytes holds fewer than one layer's top-{top_k} experts; "
@@ -237,10 +236,11 @@ class Engine:
                 if isa is None:
                     raise ValueError("kernel='native-int8' needs AVX2 or AVX-512, which this CPU (or MOSAIC_ISA) "
                                      "lacks")
-            # Sized before the backbone loads, so MemAvailable does not already count it: the backbone
-            # stays as stored (its file size) and the sequence state is allocated for max_seq.
-            resident = (directory / BACKBONE_FILE).stat().st_size + SequenceState.bytes_for(recipe, max_seq,
-                                                                                            kv_torch_dtype)
+            # Sized before the backbone loads, so MemAvailable does not already count it: the backbone as
+            # it will be held (quantised tensor by tensor as it loads) and the sequence state for max_seq.
+            resident = resident_bytes(file_tensors(directory / BACKBONE_FILE), backbone,
+                                      vault.arch["tie_word_embeddings"]) + SequenceState.bytes_for(recipe, max_seq,
+                                                                                                   kv_torch_dtype)
             store = ExpertStore(vault, ring_slots(vault, ram_budget, resident, memory), io or DEFAULT_IO,
                                 notice=notice)
             experts = NativeExperts(store, threads, isa)
@@ -248,7 +248,7 @@ class Engine:
             raise ValueError(f"kernel must be 'native', 'native-int8' or 'torch', not {kernel!r}")
         if dev is not None:
             experts = TieredExperts.open(experts, dev, vram_budget, tier_policy, resident if on_cuda else 0)
-        weights = prepare_backbone(load_file(directory / BACKBONE_FILE), backbone, vault.arch["tie_word_embeddings"])
+        weights = load_backbone(directory / BACKBONE_FILE, backbone, vault.arch["tie_word_embeddings"])
         if on_cuda:
             weights = {name: w.to(dev) for name, w in weights.items()}
         else:

@@ -8,11 +8,14 @@ from pathlib import Path
 
 import click
 
+from mosaic_runtime.backbone import BACKBONE_MODES, resident_bytes
+from mosaic_runtime.kv_cache import KVCache
 from mosaic_runtime.model_store import models_dir, store_name
+from mosaic_runtime.recipe import read_recipe
 from mosaic_runtime.vault.format import QUANT_NAMES, VaultError
 
 from .architectures import OPTIONAL_PARTS, UnsupportedModel
-from .checkpoint import Checkpoint, CheckpointError
+from .checkpoint import DTYPE_BYTES, Checkpoint, CheckpointError
 from .convert import ConvertError, ConvertInterrupted, convert, needed_disk_bytes
 from .plan import Plan, make_plan
 
@@ -48,7 +51,8 @@ def probe_report(ckpt: Checkpoint, plan: Plan) -> dict:
         "shared_expert_intermediate_size": arch["shared_expert_intermediate_size"],
         "hidden_size": arch["hidden_size"],
         "moe_intermediate_size": arch["moe_intermediate_size"],
-        "attention": {k: arch[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim")},
+        "attention": {k: arch.get(k) for k in ("num_attention_heads", "num_key_value_heads", "head_dim",
+                                               "latent_attention")},
         "rope": arch["rope"],
         "source_format": {k: v for k, v in fmt.items() if k != "expert_bytes_per_weight"},
         "expert_source_bytes": 3 * plan.hidden * plan.intermediate * fmt["expert_bytes_per_weight"],
@@ -57,6 +61,9 @@ def probe_report(ckpt: Checkpoint, plan: Plan) -> dict:
         "vault_bytes": {name: plan.vault_bytes(q) for name, q in QUANT_NAMES.items()},
         "backbone_bytes": plan.backbone_bytes,
         "backbone_tensors": len(plan.backbone),
+        "resident_bytes": {mode: resident_bytes({t.name: (t.shape, DTYPE_BYTES[t.dtype]) for t in plan.backbone},
+                                                mode, arch["tie_word_embeddings"]) for mode in BACKBONE_MODES},
+        "kv_bytes_per_1k_tokens": kv_bytes_per_1k_tokens(arch),
         "fp8_passthrough": plan.fp8_passthrough(),
         "peak_ram_bytes": plan.peak_ram_bytes(WORKERS),
         "disk_bytes": {name: needed_disk_bytes(ckpt, plan, q) for name, q in QUANT_NAMES.items()},
@@ -64,6 +71,23 @@ def probe_report(ckpt: Checkpoint, plan: Plan) -> dict:
         "left_out": left_out(plan),
         "problems": plan.problems,
     }
+
+
+def kv_bytes_per_1k_tokens(arch: dict) -> dict[str, int] | None:
+    """The KV cache 1024 tokens take at each cache dtype the runtime offers (a latent cache for latent
+    attention); None when the runtime cannot read the arch block."""
+    try:
+        recipe = read_recipe(arch)
+    except NotImplementedError:
+        return None
+    if recipe.attention is None:
+        return {name: 0 for name in KV_ITEMSIZE}
+    heads, dim, shared = recipe.attention.cache_geometry
+    return {name: KVCache.bytes_for(len(recipe.attention_layers), 1024, heads, dim, itemsize, shared=shared)
+            for name, itemsize in KV_ITEMSIZE.items()}
+
+
+KV_ITEMSIZE = {"float32": 4, "bfloat16": 2, "int8": 1}
 
 
 def left_out(plan: Plan) -> dict[str, int]:
@@ -90,8 +114,11 @@ def _print_probe(r: dict) -> None:
     echo(f"  experts         {r['num_experts']} per MoE layer, top-{r['top_k']}, "
          f"norm_topk_prob {str(r['norm_topk_prob']).lower()}, shared experts "
          f"{r['shared_expert_intermediate_size'] or 'none'}")
-    echo(f"  geometry        hidden {r['hidden_size']}, moe_intermediate {r['moe_intermediate_size']}, "
-         f"{att['num_attention_heads']} heads / {att['num_key_value_heads']} kv heads x {att['head_dim']}, "
+    mla = att["latent_attention"]
+    heads = (f"{att['num_attention_heads']} heads of latent attention (a cached latent of {mla['kv_lora_rank']} + "
+             f"{mla['qk_rope_head_dim']} a token)" if mla else
+             f"{att['num_attention_heads']} heads / {att['num_key_value_heads']} kv heads x {att['head_dim']}")
+    echo(f"  geometry        hidden {r['hidden_size']}, moe_intermediate {r['moe_intermediate_size']}, {heads}, "
          f"rope theta {r['rope']['theta']:g}")
     echo(f"  per expert      source {_size(r['expert_source_bytes'])}; Q4 {_size(r['record_bytes']['q4'])}; "
          f"FP8 {_size(r['record_bytes']['fp8'])}")
@@ -99,6 +126,11 @@ def _print_probe(r: dict) -> None:
          f"{' (FP8 passes the source through bit-exactly)' if r['fp8_passthrough'] else ''}  "
          f"[{r['num_records']} records]")
     echo(f"  backbone bf16   {_size(r['backbone_bytes'])} ({r['backbone_tensors']} tensors)")
+    echo("  in memory       backbone " + ", ".join(f"{mode} {_size(n)}" for mode, n in r["resident_bytes"].items())
+         + " (Engine.open backbone=)")
+    if r["kv_bytes_per_1k_tokens"] is not None:
+        echo("  KV cache        per 1k tokens " + ", ".join(f"{dtype} {_size(n)}" for dtype, n
+                                                         in r["kv_bytes_per_1k_tokens"].items()) + " (kv_dtype=)")
     if r["left_out"]:
         echo("  left out        " + ", ".join(f"{part} ({n} tensors)" for part, n in r["left_out"].items())
              + ": text-only (--keep mtp / --keep vision keeps them)")

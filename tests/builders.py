@@ -32,12 +32,13 @@ def tiny_qwen3_moe(path: Path, *, fused: bool = False, dtype: torch.dtype = torc
 
 
 def _fp8_target(name: str) -> bool:
-    return name.endswith("_proj.weight") and ".mlp.gate." not in name
+    return name.endswith(("_proj.weight", "_proj_with_mqa.weight")) and ".mlp.gate." not in name
 
 
 def to_block_fp8(src: Path, dst: Path, scale_dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Re-encode a checkpoint as Qwen's block-FP8 release does: attention and expert Linears in E4M3 with
-    `weight_scale_inv` [ceil(out/128), ceil(in/128)]; router, norms, embeddings and lm_head unchanged."""
+    """Re-encode a checkpoint as Qwen's and DeepSeek-V3's block-FP8 releases do: attention, MLP and expert
+    Linears in E4M3 with `weight_scale_inv` [ceil(out/128), ceil(in/128)]; router, norms, embeddings and
+    lm_head unchanged."""
     dst.mkdir(parents=True, exist_ok=True)
     tensors = load_file(src / "model.safetensors")
     out = {}
@@ -248,6 +249,60 @@ def decoder_tensors(cfg: dict, fp8: bool = False) -> list[tuple[str, str, list[i
     return out
 
 
+def deepseek_tensors(cfg: dict, fp8: bool = False) -> list[tuple[str, str, list[int]]]:
+    """(name, dtype, shape) of every tensor of a DeepSeek-V2/V3 or Kimi-K2 checkpoint, as TENSORS.md lists
+    them: latent attention, leading dense layers, shared experts, the V3 correction bias, the MTP layers
+    past num_hidden_layers; FP8 releases with a 128 x 128 block scale (F32) beside every projection but the
+    router, the embeddings, the heads and eh_proj."""
+    h, v, heads = cfg["hidden_size"], cfg["vocab_size"], cfg["num_attention_heads"]
+    nope, rope, vd, r = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
+    q_lora, n_exp, inter = cfg.get("q_lora_rank"), cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+    shared = inter * cfg.get("n_shared_experts", 0)
+    v3 = cfg.get("topk_method") == "noaux_tc"
+
+    def proj(name: str, rows: int, cols: int) -> list:
+        if not fp8:
+            return [(name, "BF16", [rows, cols])]
+        return [(name, "F8_E4M3", [rows, cols]), (name + "_scale_inv", "F32", [-(-rows // 128), -(-cols // 128)])]
+
+    def mlp(p: str, rows: int) -> list:
+        return proj(p + "gate_proj.weight", rows, h) + proj(p + "up_proj.weight", rows, h) + proj(p + "down_proj.weight", h, rows)
+
+    def layer(i: int) -> list:
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        if q_lora:
+            rows = proj(a + "q_a_proj.weight", q_lora, h) + [(a + "q_a_layernorm.weight", "BF16", [q_lora])] + \
+                proj(a + "q_b_proj.weight", heads * (nope + rope), q_lora)
+        else:
+            rows = proj(a + "q_proj.weight", heads * (nope + rope), h)
+        rows += proj(a + "kv_a_proj_with_mqa.weight", r + rope, h) + [(a + "kv_a_layernorm.weight", "BF16", [r])]
+        rows += proj(a + "kv_b_proj.weight", heads * (nope + vd), r) + proj(a + "o_proj.weight", h, heads * vd)
+        rows += [(p + "input_layernorm.weight", "BF16", [h]), (p + "post_attention_layernorm.weight", "BF16", [h])]
+        if i < cfg.get("first_k_dense_replace", 0):
+            return rows + mlp(p + "mlp.", cfg["intermediate_size"])
+        rows.append((p + "mlp.gate.weight", "BF16", [n_exp, h]))
+        if v3:
+            rows.append((p + "mlp.gate.e_score_correction_bias", "F32", [n_exp]))
+        rows += mlp(p + "mlp.shared_experts.", shared)
+        for e in range(n_exp):
+            rows += mlp(f"{p}mlp.experts.{e}.", inter)
+        return rows
+
+    out = [("model.embed_tokens.weight", "BF16", [v, h]), ("model.norm.weight", "BF16", [h]),
+           ("lm_head.weight", "BF16", [v, h])]
+    n = cfg["num_hidden_layers"]
+    for i in range(n):
+        out += layer(i)
+    for m in range(cfg.get("num_nextn_predict_layers", 0)):
+        p = f"model.layers.{n + m}."
+        out += [(p + "embed_tokens.weight", "BF16", [v, h]), (p + "enorm.weight", "BF16", [h]),
+                (p + "hnorm.weight", "BF16", [h]), (p + "eh_proj.weight", "BF16", [h, 2 * h]),
+                (p + "shared_head.norm.weight", "BF16", [h]), (p + "shared_head.head.weight", "BF16", [v, h])]
+        out += layer(n + m)
+    return out
+
+
 def write_sparse_safetensors(path: Path, tensors: list[tuple[str, str, list[int]]]) -> None:
     """A real safetensors header followed by a hole as large as the data would be."""
     meta, at = {"__metadata__": {"format": "pt"}}, 0
@@ -272,7 +327,8 @@ def skeleton(config_name: str, out: Path, *, shard_bytes: int = 5 << 30) -> Path
     out.mkdir(parents=True, exist_ok=True)
     shards, current, size = [], [], 0
     tensors = {"qwen3_next": hybrid_tensors, "qwen3_5_moe": hybrid_tensors, "qwen3_5_moe_text": hybrid_tensors,
-               "qwen3_moe": qwen3_moe_tensors}.get(cfg["model_type"], decoder_tensors)
+               "qwen3_moe": qwen3_moe_tensors, "deepseek_v2": deepseek_tensors, "deepseek_v3": deepseek_tensors,
+               "kimi_k2": deepseek_tensors}.get(cfg["model_type"], decoder_tensors)
     for t in tensors(cfg, fp8):
         n = _BYTES[t[1]]
         for s in t[2]:

@@ -13,6 +13,10 @@ BASE = dict(vocab_size=320, hidden_size=64, num_hidden_layers=3, num_attention_h
             head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None,
             pad_token_id=None, tie_word_embeddings=False)
 MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40, intermediate_size=112)
+# transformers' DeepSeek models take head_dim for the rope width
+MLA = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=40, intermediate_size=112, n_shared_experts=1,
+           first_k_dense_replace=1, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+           head_dim=8, v_head_dim=12)
 ATTENTION_ATOL = 5e-5  # float32 end to end; logits of magnitude ~10
 # Both sides run a chunked delta rule in float32 with different formulations (transformers' UT transform
 # against our triangular solve), so their rounding differs more than in plain attention.
@@ -59,6 +63,20 @@ CASES = {
         use_qk_norm=True, num_hidden_layers=4,
         rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32}), layouts=("per-expert",)),
+    # latent attention: rank, nope, rope and v widths all different; YaRN with DeepSeek's mscale
+    "deepseek_v2": Case("deepseek_v2", dict(
+        MLA, q_lora_rank=None, topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707,
+                         "mscale_all_dim": 0.707, "original_max_position_embeddings": 128})),
+    "deepseek_v2-lite": Case("deepseek_v2", dict(MLA, q_lora_rank=None, n_shared_experts=2, num_experts_per_tok=3),
+                             layouts=("per-expert",)),
+    "deepseek_v3": Case("deepseek_v3", dict(
+        MLA, q_lora_rank=24, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 128})),
+    "deepseek_v3-rope-halves": Case("deepseek_v3", dict(MLA, q_lora_rank=24, n_group=4, topk_group=2,
+                                                        first_k_dense_replace=2, num_hidden_layers=4,
+                                                        rope_interleave=False), layouts=("per-expert",)),
     "qwen3_next": Case("qwen3_next", dict(mlp_only_layers=[1], intermediate_size=96), HYBRID_ATOL, ("per-expert",)),
     "qwen3_5_moe": Case("qwen3_5_moe", dict(num_hidden_layers=4), HYBRID_ATOL, ("fused",), seed=1),
     "qwen3_5_moe_text": Case("qwen3_5_moe_text", dict(HYBRID_BASE, num_key_value_heads=4, linear_num_value_heads=2),
@@ -82,6 +100,12 @@ SKELETONS = {
     "qwen2_moe": Skeleton("qwen1.5-moe-a2.7b.config.json", 4_659, 7_007_109_120, 3_717_402_624),
     "olmoe": Skeleton("olmoe-1b-7b-0924.config.json", 3_219, 3_623_878_656, 953_421_824),
     "glm4_moe": Skeleton("glm-4.5-air.config.json", 18_327, 56_056_872_960, 14_712_122_368),
+    "deepseek_v2": Skeleton("deepseek-v2-lite.config.json", 5_291, 8_097_103_872, 2_623_265_792),
+    # the FP8 release: its backbone as bf16, which the converter writes
+    "deepseek_v3": Skeleton("deepseek-v3.config.json", 91_991, 367_823_683_584, 38_613_601_280),
+    # not in TENSORS.md, so computed from the config: 60 MoE layers x 384 experts x 24,772,608 B (Q4 g32 of
+    # 2048 x 7168 three times); bf16 backbone 11,722,185,728 params x 2 B plus 60 x 384 F32 biases at 4 B
+    "kimi_k2": Skeleton("kimi-k2-instruct.config.json", 139_583, 570_760_888_320, 23_444_463_616),
     # a text-only save of Qwen3.5-35B-A3B: TENSORS.md's tensors and backbone less the MTP head and vision tower
     "qwen3_5_moe_text": Skeleton("qwen3.5-35b-a3b-text.config.json", 693, 18_119_393_280, 4_896_721_536),
 }

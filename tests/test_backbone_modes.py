@@ -73,3 +73,22 @@ def test_backbone_moves_onto_huge_pages_unchanged(bundled, mode):
         q = engine.model.layers[0].mixer.q
         held = [q.codes, engine.model.weights.lm_head.codes] if mode == "q4" else [q, engine.model.weights.embed]
         assert held[0].untyped_storage().data_ptr() == held[1].untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("mode", ["bf16", "int8", "fp8", "q4"])
+def test_loading_tensor_by_tensor_holds_what_the_header_predicts(bundled, mode):
+    """load_backbone (each tensor quantised as it is read) equals prepare_backbone of the whole file, and
+    resident_bytes, from the header alone, is what it holds: the engine sizes its ring with it."""
+    from safetensors.torch import load_file
+
+    from mosaic_runtime.backbone import _arrays, file_tensors, load_backbone, prepare_backbone, resident_bytes
+    from mosaic_runtime.vault.format import BACKBONE_FILE
+    path = bundled / BACKBONE_FILE
+    streamed = load_backbone(path, mode, tie_word_embeddings=True)
+    whole = prepare_backbone(load_file(path), mode, tie_word_embeddings=True)
+    assert streamed.keys() == whole.keys()
+    for name in whole:
+        a, b = _arrays(streamed[name]), _arrays(whole[name])
+        assert a.keys() == b.keys() and all(torch.equal(a[f], b[f]) for f in a), name
+    held = sum(t.numel() * t.element_size() for w in streamed.values() for t in _arrays(w).values())
+    assert resident_bytes(file_tensors(path), mode, tie_word_embeddings=True) == held

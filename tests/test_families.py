@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from builders import skeleton
-from families import CASES, SKELETONS
+from families import ATTENTION_ATOL, CASES, SKELETONS
 from mosaic_runtime import routing
 from mosaic_runtime.engine import Engine
 from mosaic_runtime.models import decoder as decoder_module
@@ -122,8 +122,48 @@ def test_probe_of_the_real_scale_skeleton(tmp_path, family, monkeypatch):
     assert report["problems"] == [] and report["model_type"] == family
     assert report["num_records"] * report["record_bytes"]["q4"] == want.q4  # records fill whole pages
     assert 0 < report["vault_bytes"]["q4"] - want.q4 < 1 << 20
-    # TENSORS.md's backbone counts an MTP layer's tensors but its experts; probe leaves the whole layer out
-    mtp = [t for name, t in ckpt.tensors.items() if name in plan.dropped and ".experts." not in name]
-    assert report["backbone_bytes"] == want.backbone - sum(t.nbytes for t in mtp)
+    # TENSORS.md's backbone counts an MTP layer's tensors but its experts, as bf16 (F32 at 4 B); probe leaves
+    # the whole layer out
+    mtp = [t for name, t in ckpt.tensors.items()
+           if name in plan.dropped and ".experts." not in name and not name.endswith("_scale_inv")]
+    assert report["backbone_bytes"] == want.backbone - sum(t.numel * (4 if t.dtype == "F32" else 2) for t in mtp)
     assert set(plan.dropped.values()) <= {"mtp"}
-    read_recipe(plan.arch)  # the runtime reads every key the converter wrote
+    recipe = read_recipe(plan.arch)  # the runtime reads every key the converter wrote
+    held = report["resident_bytes"]
+    assert held["bf16"] == report["backbone_bytes"] and held["q4"] < held["int8"] == held["fp8"] < held["bf16"]
+    # what a token leaves in the KV cache: a latent row a layer for latent attention, else keys and values
+    mla = plan.arch.get("latent_attention")
+    per_token = (mla["kv_lora_rank"] + mla["qk_rope_head_dim"] if mla else
+                 2 * plan.arch["num_key_value_heads"] * plan.arch["head_dim"]) * len(recipe.attention_layers)
+    assert report["kv_bytes_per_1k_tokens"]["bfloat16"] == 2 * 1024 * per_token
+
+
+@pytest.mark.parametrize("case", sorted(c for c in CASES if CASES[c].model_type.startswith("deepseek")))
+def test_latent_cache_holds_one_latent_row_a_token(vaults, case):
+    """Latent attention caches kv_lora_rank + qk_rope_head_dim values a token a layer, one row that is key
+    and value, and the engine sized the ring for exactly what it allocated."""
+    from mosaic_runtime.models.state import SequenceState
+    _, out = vaults(case, "q4", CASES[case].layouts[0])
+    engine = Engine.open(out, max_seq=300, precision="exact", kv_dtype="bfloat16")
+    kv, cfg = engine.model.state.kv, CASES[case].config
+    latent = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+    assert kv.v is kv.k and kv.k.shape == (len(engine.model.layers), 1, 2, 256, latent)
+    assert kv.page_bytes == len(engine.model.layers) * 256 * latent * 2
+    assert SequenceState.bytes_for(engine.model.recipe, 300, torch.bfloat16) == kv.k.numel() * 2
+
+
+@pytest.mark.parametrize("quant", ["fp8", "q4"])
+def test_deepseek_v3_block_fp8_release(tmp_path, quant):
+    """DeepSeek-V3's release layout: every Linear but the router in E4M3 with F32 128 x 128 scales (latent
+    attention's included). Experts pass through to an FP8 vault bit for bit (or re-encode to Q4), the
+    backbone's FP8 tensors are dequantised once, and the model matches transformers on those weights."""
+    from builders import to_block_fp8
+    bf16 = CASES["deepseek_v3"].build(tmp_path / "bf16", "per-expert")
+    src = to_block_fp8(bf16, tmp_path / "fp8-src", scale_dtype=torch.float32)
+    out = convert(str(src), tmp_path / quant, quant, progress=False).out
+    engine = Engine.open(out, max_seq=128, precision="exact")
+    assert engine.vault.lineage["quant"].get("passthrough", False) is (quant == "fp8")
+    ref = reference_model(bf16, engine)  # transformers' model of the same network, holding the vault's weights
+    with torch.no_grad():
+        want = ref(torch.tensor([PROMPT])).logits[0]
+    assert (engine.logits(PROMPT) - want).abs().max() <= ATTENTION_ATOL

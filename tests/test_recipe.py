@@ -8,7 +8,8 @@ import torch
 
 from builders import CONFIGS
 from mosaic_runtime.models.rope import Rotary, inverse_frequencies
-from mosaic_runtime.recipe import Attention, DeltaNet, QkNorm, Rope, Scoring, TopkMethod, read_recipe
+from mosaic_runtime.recipe import (Attention, DeltaNet, LatentAttention, QkNorm, Rope, Scoring, TopkMethod,
+                                   read_recipe)
 from mosaic_shatter.architectures import architecture_for
 
 REAL = {  # config -> (layers, attention layers, MoE layers, what sets it apart)
@@ -22,6 +23,16 @@ REAL = {  # config -> (layers, attention layers, MoE layers, what sets it apart)
     "qwen3.5-35b-a3b.config.json": (40, 10, 40, lambda r: r.layers[0].mixer.channels == 8192 and r.norm_offset == 1.0),
     "qwen3.5-35b-a3b-text.config.json": (40, 10, 40, lambda r: r.layers[3].mixer.output_gate),
     "qwen3-next-80b-a3b-instruct.config.json": (48, 12, 48, lambda r: r.layers[0].mixer.fused_projections),
+    "deepseek-v2-lite.config.json": (27, 27, 26, lambda r: isinstance(r.layers[0].mixer, LatentAttention)
+                                     and r.layers[0].mixer.q_lora_rank == 0 and r.layers[0].mixer.latent_dim == 576
+                                     and r.layers[1].ffn.router.scoring is Scoring.SOFTMAX
+                                     and r.layers[1].ffn.intermediate == 2 * 1408),
+    "deepseek-v3.config.json": (61, 61, 58, lambda r: r.layers[0].mixer.q_lora_rank == 1536
+                                and r.layers[0].mixer.rope_interleave and r.layers[2].ffn.router is None
+                                and r.layers[3].ffn.router.method is TopkMethod.NOAUX_TC
+                                and r.layers[3].ffn.router.scaling == 2.5 and r.layers[3].ffn.router.score_bias),
+    "kimi-k2-instruct.config.json": (61, 61, 60, lambda r: r.layers[1].ffn.router.experts == 384
+                                     and r.layers[0].mixer.heads == 64),
 }
 
 
@@ -111,3 +122,26 @@ def test_rotary_tables_carry_the_attention_factor():
     _, factor = inverse_frequencies(rope)
     assert factor > 1 and torch.allclose(rot.cos[0], torch.full((64,), factor))
     assert isinstance(read_recipe(arch_of("qwen3.5-35b-a3b.config.json")).layers[0].mixer, DeltaNet)
+
+
+def test_latent_attention_softmax_scale_follows_deepseek_yarn():
+    """DeepSeek scales the softmax by mscale(factor, mscale_all_dim)^2 under YaRN: V2-Lite's 0.707 and
+    V3's 1.0 at factor 40, as transformers' yarn_apply_mscale."""
+    import math
+    for config, m in (("deepseek-v2-lite.config.json", 0.707), ("deepseek-v3.config.json", 1.0)):
+        att = read_recipe(arch_of(config)).layers[0].mixer
+        assert att.rope.rot_dim == 64 and att.rope.kind == "yarn"
+        assert att.scale == pytest.approx(192 ** -0.5 * (0.1 * m * math.log(40) + 1) ** 2, rel=1e-12)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(scoring_func="sigmoid"), "DeepSeek-V2 routing by sigmoid"),
+    (dict(topk_method="noaux_tc"), "DeepSeek-V2 routing by softmax / noaux_tc"),
+    (dict(attention_bias=True), "attention_bias"),
+])
+def test_deepseek_settings_the_runtime_cannot_run_are_refused_at_probe(change, message):
+    from mosaic_shatter.architectures import UnsupportedModel
+    cfg = {k: v for k, v in json.loads((CONFIGS / "deepseek-v2-lite.config.json").read_text()).items()
+           if not k.startswith("_")}
+    with pytest.raises(UnsupportedModel, match=message):
+        architecture_for(cfg).arch_block({**cfg, **change}, None)

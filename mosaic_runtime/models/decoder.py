@@ -88,11 +88,12 @@ class Decoder:
         c, k_pe = linear(x, w.kv_a).split([att.kv_lora_rank, att.rope_dim], dim=-1)
         latent = torch.cat([rms_norm(c, w.kv_a_norm, eps), self.rotary.apply(k_pe[:, None, :], rope)[:, 0]], dim=-1)
         cache, _ = self.state.kv.store(slot, start, latent[:, None, :], None)
-        kv_b = w.kv_b.view(h, att.nope_dim + att.v_dim, att.kv_lora_rank).to(q.dtype)
-        q_latent = torch.bmm(q_nope.transpose(0, 1), kv_b[:, :att.nope_dim])  # [heads, T, kv_lora_rank]
+        uk = w.uk_t.view(h, att.kv_lora_rank, att.nope_dim).to(q.dtype).transpose(1, 2)  # [heads, nope, rank]
+        q_latent = torch.bmm(q_nope.transpose(0, 1), uk)  # [heads, T, kv_lora_rank]
         q = torch.cat([q_latent.transpose(0, 1), self.rotary.apply(q_pe, rope)], dim=-1)  # [T, heads, latent]
         o = cached_attention(q, cache, cache, start, att.scale).view(t, h, att.latent_dim)[..., :att.kv_lora_rank]
-        o = torch.bmm(o.transpose(0, 1), kv_b[:, att.nope_dim:].transpose(1, 2))  # [heads, T, v_dim]
+        uv = w.uv.view(h, att.v_dim, att.kv_lora_rank).to(q.dtype).transpose(1, 2)  # [heads, rank, v_dim]
+        o = torch.bmm(o.transpose(0, 1), uv)  # [heads, T, v_dim]
         return linear(o.transpose(0, 1).reshape(t, h * att.v_dim), w.o)
 
     def delta_net(self, dn: DeltaNet, w: DeltaNetWeights, slot: int, x: torch.Tensor) -> torch.Tensor:

@@ -111,8 +111,14 @@ def _layer(model, i: int):
     recipe, w, H = model.recipe.layers[i], model.weights.layers[i], model.recipe.hidden
     slot = model.state.slot[i]
     if isinstance(recipe.mixer, LatentAttention):
-        raise _Unsupported  # latent attention decodes through the torch path
-    if isinstance(recipe.mixer, Attention):
+        a, aw = recipe.mixer, w.mixer
+        optional = lambda m: None if m is None else _matrix(m)  # noqa: E731
+        mixer = _D.LatentMixer(
+            hidden=H, heads=a.heads, q_lora_rank=a.q_lora_rank, kv_lora_rank=a.kv_lora_rank, nope_dim=a.nope_dim,
+            rope_dim=a.rope_dim, v_dim=a.v_dim, eps=model.recipe.eps, scale=a.scale, q=optional(aw.q),
+            q_a=optional(aw.q_a), q_a_norm=_vector(aw.q_a_norm), q_b=optional(aw.q_b), kv_a=_matrix(aw.kv_a),
+            kv_a_norm=_vector(aw.kv_a_norm), uk_t=_matrix(aw.uk_t), uv=_matrix(aw.uv), o=_matrix(aw.o), kv_layer=slot)
+    elif isinstance(recipe.mixer, Attention):
         a, aw = recipe.mixer, w.mixer
         mixer = _D.AttentionMixer(
             hidden=H, heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim, rot_dim=a.rope.rot_dim,

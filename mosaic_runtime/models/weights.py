@@ -41,7 +41,10 @@ class LatentWeights:
     q_b: Matrix | None  # [heads * (nope + rope), q_lora_rank]
     kv_a: Matrix  # [kv_lora_rank + rope, H]: the latent, then the shared rope key
     kv_a_norm: torch.Tensor  # [kv_lora_rank]
-    kv_b: torch.Tensor  # [heads * (nope + v), kv_lora_rank] as stored: per head its key rows, then value rows
+    # kv_b_proj [heads * (nope + v), kv_lora_rank] (per head its key rows, then its value rows) as the two
+    # halves the absorbed attention multiplies by, in kv_b_proj's dtype:
+    uk_t: torch.Tensor  # [heads * kv_lora_rank, nope]: each head's key rows, transposed
+    uv: torch.Tensor  # [heads * v, kv_lora_rank]: each head's value rows
     o: Matrix  # [H, heads * v]
 
 
@@ -161,6 +164,9 @@ def _latent(t: _Tensors, of, prefix: str, att: LatentAttention) -> LatentWeights
     kv_b = t.matrix(p("kv_b_proj.weight"))
     if not isinstance(kv_b, torch.Tensor):
         raise NotImplementedError("kv_b_proj must be held as stored (it is absorbed into queries and outputs)")
+    kv_b = kv_b.view(att.heads, att.nope_dim + att.v_dim, att.kv_lora_rank)
+    uk_t = kv_b[:, :att.nope_dim].transpose(1, 2).reshape(att.heads * att.kv_lora_rank, att.nope_dim).contiguous()
+    uv = kv_b[:, att.nope_dim:].reshape(att.heads * att.v_dim, att.kv_lora_rank).contiguous()
     if att.rope_interleave:  # pairs (0, 1), (2, 3)... to halves: the same rotation, as rotate-half computes it
         pairs = torch.cat([torch.arange(0, att.rope_dim, 2), torch.arange(1, att.rope_dim, 2)])
         q_index = torch.arange(att.heads * rows).view(att.heads, rows)
@@ -172,7 +178,7 @@ def _latent(t: _Tensors, of, prefix: str, att: LatentAttention) -> LatentWeights
         else:
             q_b = permute_rows(q_b, q_index)
         kv_a = permute_rows(kv_a, kv_index)
-    return LatentWeights(q, q_a, q_a_norm, q_b, kv_a, t.norm(p("kv_a_layernorm.weight")), kv_b,
+    return LatentWeights(q, q_a, q_a_norm, q_b, kv_a, t.norm(p("kv_a_layernorm.weight")), uk_t, uv,
                          t.matrix(p("o_proj.weight")))
 
 

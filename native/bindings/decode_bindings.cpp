@@ -41,6 +41,10 @@ struct PyAttention : Keep {
   AttentionMixer a;
 };
 
+struct PyLatent : Keep {
+  LatentMixer m;
+};
+
 struct PyDeltaNet : Keep {
   DeltaNetMixer d;
 };
@@ -170,6 +174,37 @@ void init_decode(nb::module_& m) {
          nb::arg("v_bias").none(), nb::arg("o_bias").none(), nb::arg("q_norm").none(), nb::arg("k_norm").none(),
          nb::arg("kv_layer"));
 
+  nb::class_<PyLatent>(d, "LatentMixer")
+      .def("__init__", [](PyLatent* self, int hidden, int heads, int q_lora_rank, int kv_lora_rank, int nope_dim,
+                          int rope_dim, int v_dim, float eps, float scale, nb::handle q, nb::handle q_a,
+                          nb::handle q_a_norm, nb::handle q_b, nb::handle kv_a, nb::handle kv_a_norm, nb::handle uk_t,
+                          nb::handle uv, nb::handle o, int kv_layer) {
+        new (self) PyLatent();
+        LatentMixer& m = self->m;
+        check(heads > 0 && q_lora_rank >= 0 && kv_lora_rank > 0 && nope_dim > 0 && rope_dim > 0 && rope_dim % 2 == 0 &&
+                  v_dim > 0 && kv_layer >= 0, "LatentMixer: geometry");
+        m.heads = heads, m.q_lora_rank = q_lora_rank, m.kv_lora_rank = kv_lora_rank, m.nope_dim = nope_dim;
+        m.rope_dim = rope_dim, m.v_dim = v_dim, m.eps = eps, m.scale = scale, m.kv_layer = kv_layer;
+        const int dq = heads * (nope_dim + rope_dim);
+        if (q_lora_rank) {
+          m.q_a = matrix_of(q_a, q_lora_rank, hidden, "LatentMixer: q_a", *self);
+          m.q_a_norm = vector_of(q_a_norm, q_lora_rank, "LatentMixer: q_a_norm", *self);
+          m.q_b = matrix_of(q_b, dq, q_lora_rank, "LatentMixer: q_b", *self);
+          check(m.q_a_norm != nullptr, "LatentMixer: q_a_norm");
+        } else {
+          m.q = matrix_of(q, dq, hidden, "LatentMixer: q", *self);
+        }
+        m.kv_a = matrix_of(kv_a, kv_lora_rank + rope_dim, hidden, "LatentMixer: kv_a", *self);
+        m.kv_a_norm = vector_of(kv_a_norm, kv_lora_rank, "LatentMixer: kv_a_norm", *self);
+        check(m.kv_a_norm != nullptr, "LatentMixer: kv_a_norm");
+        m.uk_t = matrix_of(uk_t, heads * kv_lora_rank, nope_dim, "LatentMixer: uk_t", *self);
+        m.uv = matrix_of(uv, heads * v_dim, kv_lora_rank, "LatentMixer: uv", *self);
+        m.o = matrix_of(o, hidden, heads * v_dim, "LatentMixer: o", *self);
+      }, nb::kw_only(), nb::arg("hidden"), nb::arg("heads"), nb::arg("q_lora_rank"), nb::arg("kv_lora_rank"),
+         nb::arg("nope_dim"), nb::arg("rope_dim"), nb::arg("v_dim"), nb::arg("eps"), nb::arg("scale"),
+         nb::arg("q").none(), nb::arg("q_a").none(), nb::arg("q_a_norm").none(), nb::arg("q_b").none(),
+         nb::arg("kv_a"), nb::arg("kv_a_norm"), nb::arg("uk_t"), nb::arg("uv"), nb::arg("o"), nb::arg("kv_layer"));
+
   nb::class_<PyDeltaNet>(d, "DeltaNetMixer")
       .def("__init__", [](PyDeltaNet* self, int hidden, int key_heads, int value_heads, int key_dim, int value_dim,
                           int conv_kernel, float eps, nb::handle qkv, nb::handle z, nb::handle b, nb::handle a,
@@ -230,9 +265,13 @@ void init_decode(nb::module_& m) {
         check(L.input_norm && L.post_norm, "DecodeLayer: norms");
         if (nb::isinstance<PyAttention>(mixer)) {
           L.attention = nb::cast<const PyAttention&>(mixer).a;
+        } else if (nb::isinstance<PyLatent>(mixer)) {
+          L.mixer = DecodeLayer::Latent;
+          L.latent = nb::cast<const PyLatent&>(mixer).m;
         } else {
-          check(nb::isinstance<PyDeltaNet>(mixer), "DecodeLayer: mixer is an AttentionMixer or a DeltaNetMixer");
-          L.delta_net = true;
+          check(nb::isinstance<PyDeltaNet>(mixer),
+                "DecodeLayer: mixer is an AttentionMixer, a LatentMixer or a DeltaNetMixer");
+          L.mixer = DecodeLayer::DeltaNet;
           L.delta = nb::cast<const PyDeltaNet&>(mixer).d;
         }
         self->hold(mixer);
@@ -308,12 +347,14 @@ void init_decode(nb::module_& m) {
           self->hold(h);
           self->scratch_floats = std::max(self->scratch_floats, decode_layer_scratch_floats(L));
           self->top_k = std::max(self->top_k, L.ffn.router.top_k);
-          if (!L.delta_net) {
-            check(self->n_attention == 0 || (L.attention.kv_heads == self->kv_heads &&
-                                             L.attention.head_dim == self->head_dim),
+          if (L.mixer != DecodeLayer::DeltaNet) {  // a KV cache row: per KV head, or one latent row
+            const bool latent = L.mixer == DecodeLayer::Latent;
+            const int kv_heads = latent ? 1 : L.attention.kv_heads;
+            const int head_dim = latent ? L.latent.latent_dim() : L.attention.head_dim;
+            check(self->n_attention == 0 || (kv_heads == self->kv_heads && head_dim == self->head_dim),
                   "DecodeStep: attention layers of one KV geometry");
-            self->kv_heads = L.attention.kv_heads, self->head_dim = L.attention.head_dim;
-            self->n_attention = std::max(self->n_attention, L.attention.kv_layer + 1);
+            self->kv_heads = kv_heads, self->head_dim = head_dim;
+            self->n_attention = std::max(self->n_attention, (latent ? L.latent.kv_layer : L.attention.kv_layer) + 1);
           }
         }
         self->hidden = self->layers[0].hidden;
@@ -362,8 +403,10 @@ void init_decode(nb::module_& m) {
           check(k.stride(3) == 1 && k.stride(2) == static_cast<int64_t>(d) && v.stride(3) == 1 &&
                     v.stride(2) == static_cast<int64_t>(d), "run: KV rows must be contiguous");
           check(cos.shape(0) == signed_sin.shape(0), "run: RoPE tables");
-          for (const DecodeLayer& L : s.layers)
-            check(L.delta_net || static_cast<size_t>(L.attention.rot_dim) == cos.shape(0), "run: RoPE table width");
+          for (const DecodeLayer& L : s.layers) {
+            const int rot = L.mixer == DecodeLayer::Latent ? L.latent.rope_dim : L.attention.rot_dim;
+            check(L.mixer == DecodeLayer::DeltaNet || static_cast<size_t>(rot) == cos.shape(0), "run: RoPE table width");
+          }
           kv.k = k.data(), kv.v = v.data(), kv.rows = static_cast<int64_t>(k.shape(2));
           kv.k_layer_stride = k.stride(0), kv.v_layer_stride = v.stride(0);
           kv.k_head_stride = k.stride(1), kv.v_head_stride = v.stride(1);

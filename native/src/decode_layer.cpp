@@ -42,6 +42,21 @@ void project(const BackboneMatrix& p, const float* x, float* y, int threads, Isa
   }
 }
 
+BackboneMatrix row_slice(const BackboneMatrix& w, int first, int count) {
+  BackboneMatrix part = w;
+  part.rows = count;
+  if (part.kind == BackboneMatrix::Q4) {
+    const int64_t blocks = (part.cols + kQ4 - 1) / kQ4;
+    part.w = static_cast<const uint8_t*>(part.w) + first * blocks * kQ4Bytes;
+    part.scales = static_cast<const uint16_t*>(part.scales) + first * blocks;
+  } else {
+    part.w = static_cast<const uint8_t*>(part.w) + static_cast<int64_t>(first) * part.cols *
+                                                       (part.kind == BackboneMatrix::Bf16 ? 2 : 1);
+    if (part.scales) part.scales = static_cast<const float*>(part.scales) + first;
+  }
+  return part;
+}
+
 // The matrices' rows cut into one even split over the threads in one parallel region: one fork and join
 // instead of one per matrix, and no thread waits out a small matrix's tail alone (k and v alone ran at
 // 0.6 of q's bandwidth). Each row's result is what project() gives.
@@ -57,18 +72,8 @@ void project_together(const BackboneMatrix* const* ps, float* const* ys, int cou
     for (int i = 0, base = 0; i < count; base += ps[i]->rows, ++i) {
       const int r0 = std::max(lo - base, 0), r1 = std::min(hi - base, ps[i]->rows);
       if (r1 <= r0) continue;
-      BackboneMatrix part = *ps[i];  // rows r0..r1: its kernels run them on this thread (a nested team of 1)
-      part.rows = r1 - r0;
-      if (part.kind == BackboneMatrix::Q4) {
-        const int64_t blocks = (part.cols + kQ4 - 1) / kQ4;
-        part.w = static_cast<const uint8_t*>(part.w) + r0 * blocks * kQ4Bytes;
-        part.scales = static_cast<const uint16_t*>(part.scales) + r0 * blocks;
-      } else {
-        part.w = static_cast<const uint8_t*>(part.w) + static_cast<int64_t>(r0) * part.cols *
-                                                           (part.kind == BackboneMatrix::Bf16 ? 2 : 1);
-        if (part.scales) part.scales = static_cast<const float*>(part.scales) + r0;
-      }
-      project(part, x, ys[i] + r0, 1, isa);
+      // rows r0..r1: its kernels run them on this thread (a nested team of 1)
+      project(row_slice(*ps[i], r0, r1 - r0), x, ys[i] + r0, 1, isa);
     }
   }
 }
@@ -205,6 +210,68 @@ void attention_step(const AttentionMixer& a, int hidden, float eps, const KvRun&
   if (a.o_bias) add(out, a.o_bias, hidden);
 }
 
+uint64_t latent_scratch_floats(const LatentMixer& m) {
+  const uint64_t heads = m.heads, dl = m.latent_dim();
+  return heads * (m.nope_dim + m.rope_dim) + m.q_lora_rank + dl + 2 * heads * dl + heads * m.v_dim;
+}
+
+// out [hidden] = the latent attention mixer's output for normed input h at position pos (Decoder.
+// latent_attention): this position's latent row goes into the cache first, then every head attends over the
+// latent rows as one KV head, its query absorbed through uk_t, its output through uv.
+void latent_step(const LatentMixer& m, const KvRun& kv, const float* h, int pos, const float* cos,
+                 const float* signed_sin, float* out, float* scratch, int threads, Isa isa) {
+  const int H = m.heads, dq = m.nope_dim + m.rope_dim, r = m.kv_lora_rank, dl = m.latent_dim();
+  float* q = scratch;                                  // [H, dq]: per head nope values, then rope
+  float* qa = q + static_cast<int64_t>(H) * dq;        // [q_lora_rank]
+  float* lat = qa + m.q_lora_rank;                     // [dl]: this position's latent row
+  float* query = lat + dl;                             // [H, dl]: per head its latent query, then its rope
+  float* attn = query + static_cast<int64_t>(H) * dl;  // [H, dl]: per head the attended latent row
+  float* ov = attn + static_cast<int64_t>(H) * dl;     // [H, v_dim]
+  const BackboneMatrix* in[] = {m.q_lora_rank ? &m.q_a : &m.q, &m.kv_a};
+  float* const in_out[] = {m.q_lora_rank ? qa : q, lat};
+  project_together(in, in_out, 2, h, threads, isa);
+  if (m.q_lora_rank) {
+    rms_norm(qa, m.q_a_norm, m.q_lora_rank, m.eps, qa);
+    project(m.q_b, qa, q, threads, isa);
+  }
+  rms_norm(lat, m.kv_a_norm, r, m.eps, lat);
+  rope(lat + r, 1, m.rope_dim, m.rope_dim, cos, signed_sin);
+  rope(q + m.nope_dim, H, dq, m.rope_dim, cos, signed_sin);  // each head's rope values, dq apart
+#pragma omp parallel for num_threads(std::min(threads, H)) schedule(static)
+  for (int g = 0; g < H; ++g) {
+    project(row_slice(m.uk_t, g * r, r), q + static_cast<int64_t>(g) * dq, query + static_cast<int64_t>(g) * dl, 1, isa);
+    std::memcpy(query + static_cast<int64_t>(g) * dl + r, q + static_cast<int64_t>(g) * dq + m.nope_dim,
+                sizeof(float) * m.rope_dim);
+  }
+  // The latent row is key and value alike: one row of the cache, read as both.
+  const int64_t kl = m.kv_layer * kv.k_layer_stride, sl = m.kv_layer * kv.scale_layer_stride;
+  store_row(kv.dtype, kv.k, kl + static_cast<int64_t>(pos) * dl, kv.k_scale, sl + pos, lat, dl);
+  switch (kv.dtype) {
+    case KvDtype::F32: {
+      const float* c = static_cast<const float*>(kv.k) + kl;
+      decode_attention(query, H, dl, c, c, kv.k_head_stride, kv.k_head_stride, 1, pos + 1, m.scale, attn, threads, isa);
+      break;
+    }
+    case KvDtype::Bf16: {
+      const uint16_t* c = static_cast<const uint16_t*>(kv.k) + kl;
+      decode_attention_bf16(query, H, dl, c, c, kv.k_head_stride, kv.k_head_stride, 1, pos + 1, m.scale, attn, threads,
+                            isa);
+      break;
+    }
+    case KvDtype::I8: {
+      const int8_t* c = static_cast<const int8_t*>(kv.k) + kl;
+      decode_attention_i8(query, H, dl, c, c, kv.k_head_stride, kv.k_head_stride, kv.k_scale + sl, kv.k_scale + sl,
+                          kv.scale_head_stride, 1, pos + 1, m.scale, attn, threads, isa);
+      break;
+    }
+  }
+#pragma omp parallel for num_threads(std::min(threads, H)) schedule(static)
+  for (int g = 0; g < H; ++g)
+    project(row_slice(m.uv, g * m.v_dim, m.v_dim), attn + static_cast<int64_t>(g) * dl,
+            ov + static_cast<int64_t>(g) * m.v_dim, 1, isa);
+  project(m.o, ov, out, threads, isa);
+}
+
 // The router's top-k of h: scores (softmax or sigmoid of the logits), the experts chosen by score + bias
 // among the best groups, their scores as weights (renormalised, scaled). routing.route is the reference.
 void route(const Router& r, const float* h, float* topk_weights, int32_t* topk_ids, float* scratch, int threads,
@@ -268,7 +335,9 @@ void route(const Router& r, const float* h, float* topk_weights, int32_t* topk_i
 // Scratch: [normed: H][mixer output: H][work], the work area shared in turn by the mixer, the router and
 // the MLP.
 uint64_t decode_layer_scratch_floats(const DecodeLayer& L) {
-  const uint64_t mixer = L.delta_net ? delta_net_scratch_floats(L.delta) : attention_scratch_floats(L.attention);
+  const uint64_t mixer = L.mixer == DecodeLayer::DeltaNet ? delta_net_scratch_floats(L.delta)
+                         : L.mixer == DecodeLayer::Latent ? latent_scratch_floats(L.latent)
+                                                          : attention_scratch_floats(L.attention);
   const uint64_t router = 2 * static_cast<uint64_t>(L.ffn.router.gate.rows);
   const uint64_t mlp = 2 * static_cast<uint64_t>(L.ffn.gate.rows) + L.hidden + 1;
   return 2 * static_cast<uint64_t>(L.hidden) + std::max({mixer, router, mlp});
@@ -284,8 +353,11 @@ void decode_layer(const DecodeLayer& L, const KvRun& kv, float* x, float* h, int
   float* out = normed + H;
   float* work = out + H;
   rms_norm(x, L.input_norm, H, L.eps, normed);
-  if (L.delta_net) delta_net_step(L.delta, normed, out, work, threads, isa);
-  else attention_step(L.attention, H, L.eps, kv, normed, pos, cos, signed_sin, out, work, threads, isa);
+  switch (L.mixer) {
+    case DecodeLayer::DeltaNet: delta_net_step(L.delta, normed, out, work, threads, isa); break;
+    case DecodeLayer::Latent: latent_step(L.latent, kv, normed, pos, cos, signed_sin, out, work, threads, isa); break;
+    default: attention_step(L.attention, H, L.eps, kv, normed, pos, cos, signed_sin, out, work, threads, isa);
+  }
   add(x, out, H);
   rms_norm(x, L.post_norm, H, L.eps, h);
   const Ffn& f = L.ffn;

@@ -44,6 +44,25 @@ struct AttentionMixer {
   int kv_layer = 0;               // this layer's row of the KV run
 };
 
+// Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): the KV cache holds one latent row a position,
+// [kv_lora_rank normed values | rope_dim roped key], that is key and value of every head (kv_heads 1,
+// head_dim latent_dim). kv_b_proj is absorbed: each head's query meets the latent through uk_t (its key rows,
+// transposed) and its attended latent leaves through uv (its value rows).
+struct LatentMixer {
+  int heads = 0, q_lora_rank = 0, kv_lora_rank = 0, nope_dim = 0, rope_dim = 0, v_dim = 0;
+  float eps = 1e-6f;                // the q_a and kv_a norms'
+  float scale = 1.f;                // softmax scale
+  BackboneMatrix q;                 // [heads * (nope_dim + rope_dim), hidden] when q_lora_rank is 0
+  BackboneMatrix q_a, q_b;          // else [q_lora_rank, hidden] and [heads * (nope_dim + rope_dim), q_lora_rank]
+  BackboneMatrix kv_a;              // [kv_lora_rank + rope_dim, hidden]
+  BackboneMatrix uk_t;              // [heads * kv_lora_rank, nope_dim]
+  BackboneMatrix uv;                // [heads * v_dim, kv_lora_rank]
+  BackboneMatrix o;                 // [hidden, heads * v_dim]
+  const float *q_a_norm = nullptr, *kv_a_norm = nullptr;
+  int kv_layer = 0;                 // this layer's row of the KV run
+  int latent_dim() const { return kv_lora_rank + rope_dim; }
+};
+
 inline constexpr int kMaxDeltaValueDim = 1024;
 
 // Gated DeltaNet (models/delta_rule.py): a causal depthwise conv, L2-normed q and k, the gated delta rule
@@ -82,8 +101,10 @@ struct DecodeLayer {
   int hidden = 0;
   float eps = 1e-6f;
   const float *input_norm = nullptr, *post_norm = nullptr;
-  bool delta_net = false;           // which mixer
+  enum Mixer : int { Attention = 0, Latent = 1, DeltaNet = 2 };
+  Mixer mixer = Attention;          // which of the three below this layer runs
   AttentionMixer attention;
+  LatentMixer latent;
   DeltaNetMixer delta;
   Ffn ffn;
 };
@@ -148,6 +169,8 @@ DecodeLayersResult decode_layers(const DecodeLayer* layers, int n_layers, int fi
 
 // y [rows] = W x for one token, whatever W's kind.
 void project(const BackboneMatrix& w, const float* x, float* y, int threads, Isa isa);
+// Rows first..first+count-1 of w, as a matrix of their own (no copy).
+BackboneMatrix row_slice(const BackboneMatrix& w, int first, int count);
 // Several matrices of one x (q, k and v; the DeltaNet's four inputs) in one parallel region, their rows
 // split evenly over the threads.
 void project_together(const BackboneMatrix* const* ws, float* const* ys, int count, const float* x, int threads,
