@@ -16,7 +16,7 @@ from dataclasses import dataclass
 # --- constants (vault_format.md §2) -------------------------------------------------------------
 VAULT_MAGIC = b"MOSAICV\0"  # 8 bytes, at offset 0
 VERSION_MAJOR = 1  # bumped when a v1 reader would misread the file (§9)
-VERSION_MINOR = 1  # bumped for additions a v1 reader may ignore (vault_format.md §9)
+VERSION_MINOR = 2  # bumped for additions a v1 reader may ignore (vault_format.md §9)
 HEADER_SIZE = 128  # fixed header, bytes
 PAGE_SIZE = 16384  # 16 KiB: every record starts on and spans whole pages
 PLANE_ALIGN = 64  # every plane inside a record starts on a cache line

@@ -11,7 +11,7 @@ namespace mosaic {
 // --- constants (vault_format.md §2) -------------------------------------------------------------
 inline constexpr char kVaultMagic[8] = {'M', 'O', 'S', 'A', 'I', 'C', 'V', '\0'};  // 8 bytes at 0
 inline constexpr uint16_t kVersionMajor = 1;
-inline constexpr uint16_t kVersionMinor = 1;
+inline constexpr uint16_t kVersionMinor = 2;
 inline constexpr uint32_t kHeaderSize = 128;
 inline constexpr uint32_t kPageSize = 16384;     // records start on and span whole 16 KiB pages
 inline constexpr uint32_t kPlaneAlign = 64;      // planes inside a record start on a cache line
