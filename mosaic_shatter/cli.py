@@ -17,7 +17,7 @@ from mosaic_runtime.vault.format import QUANT_NAMES, VaultError
 from .architectures import OPTIONAL_PARTS, UnsupportedModel
 from .checkpoint import DTYPE_BYTES, Checkpoint, CheckpointError
 from .convert import ConvertError, ConvertInterrupted, convert, needed_disk_bytes
-from .plan import Plan, make_plan
+from .plan import INT4_DTYPE, Plan, make_plan
 
 WORKERS = 2
 
@@ -55,7 +55,7 @@ def probe_report(ckpt: Checkpoint, plan: Plan) -> dict:
                                                "latent_attention")},
         "rope": arch["rope"],
         "source_format": {k: v for k, v in fmt.items() if k != "expert_bytes_per_weight"},
-        "expert_source_bytes": 3 * plan.hidden * plan.intermediate * fmt["expert_bytes_per_weight"],
+        "expert_source_bytes": int(3 * plan.hidden * plan.intermediate * fmt["expert_bytes_per_weight"]),
         "record_bytes": {name: plan.record_bytes(q) for name, q in QUANT_NAMES.items()},
         "num_records": len(plan.experts),
         "vault_bytes": {name: plan.vault_bytes(q) for name, q in QUANT_NAMES.items()},
@@ -123,7 +123,8 @@ def _print_probe(r: dict) -> None:
     echo(f"  per expert      source {_size(r['expert_source_bytes'])}; Q4 {_size(r['record_bytes']['q4'])}; "
          f"FP8 {_size(r['record_bytes']['fp8'])}")
     echo(f"  vault           Q4 {_size(r['vault_bytes']['q4'])}, FP8 {_size(r['vault_bytes']['fp8'])}"
-         f"{' (FP8 passes the source through bit-exactly)' if r['fp8_passthrough'] else ''}  "
+         f"{' (FP8 passes the source through bit-exactly)' if r['fp8_passthrough'] else ''}"
+         f"{' (Q4 takes the source int4 codes as they are)' if fmt['expert_dtype'] == INT4_DTYPE else ''}  "
          f"[{r['num_records']} records]")
     echo(f"  backbone bf16   {_size(r['backbone_bytes'])} ({r['backbone_tensors']} tensors)")
     echo("  in memory       backbone " + ", ".join(f"{mode} {_size(n)}" for mode, n in r["resident_bytes"].items())

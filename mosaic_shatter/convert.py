@@ -75,6 +75,9 @@ def _sha256(path: Path) -> str:
 
 def _quant_params(plan: Plan, quant: QuantType) -> dict:
     if quant is QuantType.Q4_G32:
+        if plan.passthrough(quant):
+            return {"scheme": "Q4_G32", "block": Q4_BLOCK, "scale_dtype": "f16", "symmetric": True,
+                    "encoder": "int4 codes copied from the source, scales converted to f16", "passthrough": True}
         return {"scheme": "Q4_G32", "block": Q4_BLOCK, "scale_dtype": "f16", "symmetric": True,
                 "encoder": "q4_0 scale, least-squares refit, keep the better per block"}
     return {"scheme": "FP8_B128", "format": "e4m3fn", "block": [FP8_BLOCK, FP8_BLOCK],
@@ -196,7 +199,7 @@ def convert(source: str, out: str | os.PathLike, quant: str, *, revision: str | 
                 partial.restart_journal()
             todo = [i for i, crc in enumerate(writer.crcs) if crc is None]
             bar.update(expert_source_bytes * (len(keys) - len(todo)))
-            passthrough = qtype is QuantType.FP8_B128 and plan.fp8_passthrough()
+            passthrough = plan.passthrough(qtype)
             layout = header.layout
             window: deque[tuple[int, Future]] = deque()
 

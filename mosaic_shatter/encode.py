@@ -8,6 +8,7 @@ from mosaic_runtime.vault.format import PROJECTIONS, QuantType, RecordLayout
 from mosaic_runtime.vault.quant import dequantize_fp8, quantize_fp8, quantize_q4
 from mosaic_runtime.vault.record import pack_record
 
+from . import int4_source
 from .checkpoint import Checkpoint
 from .plan import ProjectionSource
 
@@ -17,17 +18,22 @@ def encode_expert(ckpt: Checkpoint, sources: dict[str, ProjectionSource], layout
     """The record bytes of one expert.
 
     Args:
-        passthrough: FP8 source and FP8 vault with the same 128 x 128 blocks: codes and scales are
-            copied bit for bit, never re-quantised.
+        passthrough: the source's codes go into the vault as they are, never re-quantised: an FP8 source
+            with the same 128 x 128 blocks into an FP8 vault (codes and scales bit for bit), or packed
+            int4 in groups of 32 into a Q4 vault (int4_source.as_q4).
     """
     planes = {}
     for proj in PROJECTIONS:
         src = sources[proj]
         weight = ckpt.read(src.tensor, src.index)  # [rows, cols] as nn.Linear stores it
+        int4 = src.tensor.endswith(int4_source.PACKED)
         if passthrough:
-            planes[proj] = (weight.view(torch.uint8).contiguous(), ckpt.read(src.scale).contiguous())
+            scale = ckpt.read(src.scale).contiguous()
+            planes[proj] = int4_source.as_q4(weight, scale) if int4 else (weight.view(torch.uint8).contiguous(), scale)
             continue
-        if src.scale is not None:
+        if int4:
+            weight = int4_source.dequantize(weight, ckpt.read(src.scale))
+        elif src.scale is not None:
             weight = dequantize_fp8(weight, ckpt.read(src.scale))
         quantize = quantize_q4 if layout.quant is QuantType.Q4_G32 else quantize_fp8
         planes[proj] = quantize(weight.float())

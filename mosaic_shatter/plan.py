@@ -14,10 +14,12 @@ from mosaic_runtime.vault.format import (PROJECTIONS, QuantType, ScaleDtype, enc
                                          projection_shape, record_layout)
 
 from .architectures import Architecture, Role, UnsupportedModel, architecture_for
+from . import int4_source
 from .checkpoint import DTYPE_BYTES, Checkpoint, TensorInfo
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 FP8_DTYPE = "F8_E4M3"
+INT4_DTYPE = "INT4_G32"  # compressed-tensors pack-quantized int4 (int4_source): stored as I32 words
 SCALE_DTYPES = {"BF16": ScaleDtype.BF16, "F32": ScaleDtype.F32}
 CHUNK_BYTES = 64 << 20  # backbone tensors are converted in chunks of about this many bytes
 BASELINE_RAM = 600 << 20  # Python, torch and the safetensors handles, measured in benchmarks/
@@ -75,6 +77,13 @@ class Plan:
         """FP8 source experts in 128 x 128 blocks are copied bit for bit into an FP8 vault."""
         return self.source_format["expert_dtype"] == FP8_DTYPE and self.source_format.get("fp8_block") == [128, 128]
 
+    def passthrough(self, quant: QuantType) -> bool:
+        """The source's expert codes go into a vault of this quant type as they are: FP8 blocks into FP8,
+        packed int4 in groups of 32 into Q4 (int4_source)."""
+        if quant is QuantType.FP8_B128:
+            return self.fp8_passthrough()
+        return self.source_format["expert_dtype"] == INT4_DTYPE
+
     def scale_dtype(self, quant: QuantType) -> ScaleDtype:
         if quant is QuantType.Q4_G32:
             return ScaleDtype.F16
@@ -104,7 +113,7 @@ class Plan:
         """
         rows, cols = projection_shape("gate", self.hidden, self.intermediate)
         n = rows * cols
-        source = 3 * n * self.source_format["expert_bytes_per_weight"]
+        source = int(3 * n * self.source_format["expert_bytes_per_weight"])
         per_expert = source + 8 * 4 * n + max(self.record_bytes(q) for q in QuantType)
         return BASELINE_RAM + 2 * workers * per_expert + 4 * CHUNK_BYTES
 
@@ -151,14 +160,22 @@ def make_plan(ckpt: Checkpoint, keep: frozenset[str] = frozenset()) -> Plan:
         raise UnsupportedModel("config.json: quantization_config is not an object")
     plan = Plan(architecture, arch, {"files": len(ckpt.files), "quant_method": qcfg.get("quant_method")})
     problems = plan.problems
-    if qcfg and qcfg.get("quant_method") != "fp8":
+    int4 = qcfg.get("quant_method") == "compressed-tensors"
+    if int4:
+        if problem := int4_source.scheme_problem(qcfg):
+            problems.append(problem)
+    elif qcfg and qcfg.get("quant_method") != "fp8":
         problems.append(f"quantization_config.quant_method {qcfg.get('quant_method')!r} is not supported "
-                        "(only block-FP8 'fp8' and unquantised checkpoints)")
+                        "(only block-FP8 'fp8', compressed-tensors pack-quantized int4 and unquantised checkpoints)")
     if qcfg.get("quant_method") == "fp8" and qcfg.get("fmt", "e4m3") != "e4m3":
         problems.append(f"FP8 format {qcfg.get('fmt')!r} is not supported (only e4m3)")
     fp8_block = qcfg.get("weight_block_size") if qcfg.get("quant_method") == "fp8" else None
 
-    roles = {name: tensor_role(architecture, name, arch["num_hidden_layers"]) for name in ckpt.tensors}
+    # A packed int4 tensor plays the part of the `.weight` it stands for; its scale and shape go with it.
+    packed_parts = {name for name in ckpt.tensors if int4 and name.endswith((int4_source.SCALE, int4_source.SHAPE))
+                    and name.rsplit(".", 1)[0] + int4_source.PACKED in ckpt.tensors}
+    roles = {name: tensor_role(architecture, int4_source.weight_name(name), arch["num_hidden_layers"])
+             for name in ckpt.tensors if name not in packed_parts}
     # A kept part goes into the backbone whole (its experts too), its FP8 scales still read as scales.
     roles = {name: (Role("scale") if name.endswith("_scale_inv") else Role("backbone"))
              if r.kind == "drop" and r.part in keep else r for name, r in roles.items()}
@@ -168,8 +185,23 @@ def make_plan(ckpt: Checkpoint, keep: frozenset[str] = frozenset()) -> Plan:
     expert_dtypes, scale_dtypes, layouts = set(), set(), set()
 
     def scale_of(name: str) -> str | None:
-        s = name + "_scale_inv"
+        s = name[: -len(int4_source.PACKED)] + int4_source.SCALE if name.endswith(int4_source.PACKED) \
+            else name + "_scale_inv"
         return s if s in ckpt.tensors else None
+
+    def logical(name: str, info: TensorInfo) -> tuple[str, tuple[int, ...]]:
+        """(dtype, shape) of the weights a tensor holds: a packed int4 tensor's, unpacked."""
+        if not name.endswith(int4_source.PACKED):
+            return info.dtype, info.shape
+        if info.dtype != "I32" or len(info.shape) != 2:
+            problems.append(f"{name}: packed int4 weights must be I32 [rows, cols / 8]")
+            return INT4_DTYPE, ()
+        rows, cols = info.shape[0], info.shape[1] * int4_source.CODES_PER_WORD
+        scale = scale_of(name)
+        if scale is None or ckpt.tensors[scale].shape != (rows, cols // int4_source.GROUP) or \
+                ckpt.tensors[scale].dtype not in FLOAT_DTYPES:
+            problems.append(f"{name}: no float {int4_source.SCALE} of shape [{rows}, {cols // int4_source.GROUP}]")
+        return INT4_DTYPE, (rows, cols)
 
     for name, role in roles.items():
         info = ckpt.tensors[name]
@@ -189,20 +221,21 @@ def make_plan(ckpt: Checkpoint, keep: frozenset[str] = frozenset()) -> Plan:
             problems.append(f"{name}: routed experts in layer {role.layer}, which the config says is "
                             f"{'dense' if role.layer < arch['num_hidden_layers'] else 'not a layer'}")
             continue
-        expert_dtypes.add(info.dtype)
-        if scale := scale_of(name):
+        dtype, shape = logical(name, info)
+        expert_dtypes.add(dtype)
+        if (scale := scale_of(name)) and dtype == FP8_DTYPE:
             scale_dtypes.add(ckpt.tensors[scale].dtype)
         if role.kind == "expert":
             layouts.add("per-expert")
             want = projection_shape(role.projection, hidden, inter)
-            if info.shape != want:
-                problems.append(f"{name}: shape {list(info.shape)}, config gives {list(want)}")
+            if shape != want:
+                problems.append(f"{name}: shape {list(shape)}, config gives {list(want)}")
                 continue
             per_expert.setdefault((role.layer, role.expert), {})[role.projection] = ProjectionSource(name, (), scale)
         else:
             layouts.add("fused")
-            if info.dtype == FP8_DTYPE:
-                problems.append(f"{name}: fused FP8 expert tensors are not supported")
+            if dtype in (FP8_DTYPE, INT4_DTYPE):
+                problems.append(f"{name}: fused {dtype} expert tensors are not supported")
                 continue
             fused_up = role.kind == "fused_gate_up"
             want = (n_experts, 2 * inter, hidden) if fused_up else (n_experts, hidden, inter)
@@ -225,7 +258,7 @@ def make_plan(ckpt: Checkpoint, keep: frozenset[str] = frozenset()) -> Plan:
                 problems.append(f"layer {layer} expert {e}: missing {', '.join(missing)} projection")
     plan.experts = {k: per_expert[k] for k in sorted(per_expert) if len(per_expert[k]) == 3}
 
-    bad_dtypes = expert_dtypes - set(FLOAT_DTYPES) - {FP8_DTYPE}
+    bad_dtypes = expert_dtypes - set(FLOAT_DTYPES) - {FP8_DTYPE, INT4_DTYPE}
     if bad_dtypes:
         problems.append(f"expert dtype {', '.join(sorted(bad_dtypes))} is not supported")
     if len(expert_dtypes) > 1:
@@ -238,7 +271,8 @@ def make_plan(ckpt: Checkpoint, keep: frozenset[str] = frozenset()) -> Plan:
     plan.source_format.update({
         "expert_layout": "+".join(sorted(layouts)) or "none",
         "expert_dtype": expert_dtype,
-        "expert_bytes_per_weight": {"F32": 4, FP8_DTYPE: 1}.get(expert_dtype, 2),
+        "expert_bytes_per_weight": {"F32": 4, FP8_DTYPE: 1, INT4_DTYPE: 0.5 + 2 / int4_source.GROUP}.get(
+            expert_dtype, 2),
         "fp8_block": fp8_block,
         "fp8_scale_dtype": next(iter(scale_dtypes), None),
     })
@@ -247,7 +281,12 @@ def make_plan(ckpt: Checkpoint, keep: frozenset[str] = frozenset()) -> Plan:
         if role.kind != "backbone":
             continue
         info = ckpt.tensors[name]
-        if info.dtype in FLOAT_DTYPES or info.dtype == FP8_DTYPE:
+        if name.endswith(int4_source.PACKED):  # dequantised to bf16 at convert
+            dtype, shape = logical(name, info)
+            if shape:
+                plan.backbone.append(BackboneTensor(architecture.backbone_name(int4_source.weight_name(name)), "BF16",
+                                                    shape, info, scale_of(name)))
+        elif info.dtype in FLOAT_DTYPES or info.dtype == FP8_DTYPE:
             scale = scale_of(name) if info.dtype == FP8_DTYPE else None
             if info.dtype == FP8_DTYPE and (scale is None or len(info.shape) != 2 or fp8_block is None):
                 problems.append(f"{name}: FP8 tensor without a usable block scale")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 
@@ -16,6 +17,7 @@ import torch
 
 from mosaic_runtime.vault.quant import dequantize_fp8
 
+from . import int4_source
 from .checkpoint import Checkpoint
 from .plan import CHUNK_BYTES, BackboneTensor
 from .write_vault import reserve
@@ -70,11 +72,14 @@ def _write_tensor(ckpt: Checkpoint, t: BackboneTensor, out: _HashingWriter) -> N
         out.write(ckpt.read(src.name).to(_TORCH_DTYPES[t.dtype]).reshape(1).view(torch.uint8).numpy().tobytes())
         return
     rows = t.shape[0]
-    row_elems = src.numel // rows
+    row_elems = math.prod(t.shape) // rows
     out_dtype = _TORCH_DTYPES[t.dtype]
-    for r0, r1 in _row_chunks(rows, row_elems * 4, _FP8_BLOCK_ROWS if t.scale else 1):
+    int4 = src.name.endswith(int4_source.PACKED)
+    for r0, r1 in _row_chunks(rows, row_elems * 4, _FP8_BLOCK_ROWS if t.scale and not int4 else 1):
         values = ckpt.read(src.name, (slice(r0, r1),))
-        if t.scale:  # block FP8 -> float with the scale rows covering rows [r0, r1)
+        if int4:  # packed int4 -> float with the rows' group scales
+            values = int4_source.dequantize(values, ckpt.read(t.scale, (slice(r0, r1),)))
+        elif t.scale:  # block FP8 -> float with the scale rows covering rows [r0, r1)
             scale = ckpt.read(t.scale, (slice(r0 // _FP8_BLOCK_ROWS, -(-r1 // _FP8_BLOCK_ROWS)),))
             values = dequantize_fp8(values, scale)
         out.write(values.to(out_dtype).contiguous().view(torch.uint8).numpy().tobytes())

@@ -4,6 +4,7 @@ real-scale "skeletons" (real safetensors headers and tensor names, sparse holes 
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -29,6 +30,37 @@ def tiny_qwen3_moe(path: Path, *, fused: bool = False, dtype: torch.dtype = torc
     model = AutoModelForCausalLM.from_config(cfg).to(dtype)
     model.save_pretrained(path, save_original_format=not fused)
     return Path(path)
+
+
+def to_int4_pack(src: Path, dst: Path, packed: str = r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$") -> Path:
+    """Re-encode a checkpoint as Kimi-K2-Thinking's release does: the routed experts (or what `packed`
+    matches) in compressed-tensors' pack-quantized int4 (symmetric, groups of 32, packed by
+    compressed-tensors itself), everything else as it was, bf16."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    dst.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for name, t in load_file(src / "model.safetensors").items():
+        if re.search(packed, name):
+            w = t.float().view(t.shape[0], -1, 32)
+            scale = (w.abs().amax(-1) / 7).to(torch.bfloat16).clamp_min(1e-4)  # [rows, cols / 32]
+            q = torch.round(w / scale.float()[..., None]).clamp(-8, 7).to(torch.int8).reshape(t.shape)
+            base = name[: -len(".weight")]
+            out[base + ".weight_packed"] = pack_to_int32(q, 4)
+            out[base + ".weight_scale"] = scale
+            out[base + ".weight_shape"] = torch.tensor(list(t.shape), dtype=torch.int32)
+        else:
+            out[name] = t.to(torch.bfloat16)
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                                      "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                                  "group_size": 32, "dynamic": False, "observer": "minmax"}}},
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"],
+        "kv_cache_scheme": None}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
 
 
 def _fp8_target(name: str) -> bool:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from builders import skeleton
-from families import ATTENTION_ATOL, CASES, SKELETONS
+from families import ATTENTION_ATOL, CASES, SKELETONS, Case
 from mosaic_runtime import routing
 from mosaic_runtime.engine import Engine
 from mosaic_runtime.models import decoder as decoder_module
@@ -167,3 +167,86 @@ def test_deepseek_v3_block_fp8_release(tmp_path, quant):
     with torch.no_grad():
         want = ref(torch.tensor([PROMPT])).logits[0]
     assert (engine.logits(PROMPT) - want).abs().max() <= ATTENTION_ATOL
+
+
+@pytest.fixture(scope="module")
+def int4_release(tmp_path_factory):
+    """A tiny DeepSeek-V3 network laid out as Kimi-K2-Thinking's release: int4 routed experts."""
+    from builders import to_int4_pack
+    root = tmp_path_factory.mktemp("int4")
+    case = CASES["deepseek_v3"]  # its expert width a whole number of int4 groups
+    bf16 = Case(case.model_type, dict(case.config, moe_intermediate_size=64)).build(root / "bf16", "per-expert")
+    return bf16, to_int4_pack(bf16, root / "int4")
+
+
+def test_int4_backbone_tensors_are_dequantised_once(int4_release, tmp_path):
+    """A pack-quantized checkpoint that packs more than the routed experts (here the shared experts too):
+    those tensors reach the bf16 backbone as their int4 values, under their `.weight` names."""
+    from builders import to_int4_pack
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from mosaic_shatter import int4_source
+    from mosaic_runtime.vault.format import BACKBONE_FILE
+    bf16, _ = int4_release
+    src = to_int4_pack(bf16, tmp_path / "src", packed=r"\.mlp\.(shared_)?experts\.(\d+\.)?(gate|up|down)_proj\.weight$")
+    out = convert(str(src), tmp_path / "q4", "q4", progress=False).out
+    backbone = load_file(out / BACKBONE_FILE)
+    name = "model.layers.1.mlp.shared_experts.down_proj.weight"
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        want = int4_source.dequantize(f.get_tensor(name + "_packed"), f.get_tensor(name + "_scale"))
+    assert name + "_packed" not in backbone and torch.equal(backbone[name], want.to(torch.bfloat16))
+    Engine.open(out, max_seq=64).logits(PROMPT[:8])  # and it runs
+
+
+def test_int4_experts_reach_a_q4_vault_as_they_are(int4_release, tmp_path):
+    """compressed-tensors' int4 codes are the Q4 vault's codes, moved to its nibble order, and their bf16
+    scales its f16 scales: every dequantised expert equals the checkpoint's int4 weights exactly (held to
+    compressed-tensors' own unpacking), with no trip through bf16."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors import safe_open
+    _, src = int4_release
+    out = convert(str(src), tmp_path / "q4", "q4", progress=False).out
+    engine = Engine.open(out, max_seq=64, precision="exact")
+    assert engine.vault.lineage["quant"]["passthrough"] is True
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        for layer in engine.vault.moe_layers:
+            for e in range(engine.arch["num_experts"]):
+                got = dict(zip(("gate", "up", "down"), engine.vault.dequantize_expert(layer, e)))
+                for proj, w in got.items():
+                    base = f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight"
+                    packed, scale = f.get_tensor(base + "_packed"), f.get_tensor(base + "_scale")
+                    q = unpack_from_int32(packed, 4, torch.Size(w.shape)).float()
+                    want = (q.view(w.shape[0], -1, 32) * scale.float()[..., None]).reshape(w.shape)
+                    assert torch.equal(w, want), (layer, e, proj)
+
+
+@pytest.mark.parametrize("quant", ["q4", "fp8"])
+def test_int4_release_matches_transformers(int4_release, tmp_path, quant):
+    """The int4 release converted (Q4 as it is, FP8 re-encoded) runs as transformers' model of the same
+    network holding the vault's weights."""
+    bf16, src = int4_release
+    out = convert(str(src), tmp_path / quant, quant, progress=False).out
+    engine = Engine.open(out, max_seq=128, precision="exact")
+    ref = reference_model(bf16, engine)
+    with torch.no_grad():
+        want = ref(torch.tensor([PROMPT])).logits[0]
+    assert (engine.logits(PROMPT) - want).abs().max() <= ATTENTION_ATOL
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(group_size=128), "groups of 32"),
+    (dict(num_bits=8), "only int4"),
+    (dict(symmetric=False), "symmetric"),
+])
+def test_other_int4_schemes_are_refused_by_name(int4_release, tmp_path, change, message):
+    import json
+    import shutil
+    _, src = int4_release
+    copy = tmp_path / "src"
+    shutil.copytree(src, copy)
+    cfg = json.loads((copy / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"].update(change)
+    (copy / "config.json").write_text(json.dumps(cfg))
+    problems = make_plan(Checkpoint(str(copy))).problems
+    assert any(message in p for p in problems), problems
