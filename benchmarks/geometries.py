@@ -50,7 +50,22 @@ GEOMETRIES = {
         "first_k_dense_replace": 1, "norm_topk_prob": True, "num_attention_heads": 96, "num_key_value_heads": 8,
         "head_dim": 128, "attention_bias": True, "partial_rotary_factor": 0.5, "use_qk_norm": False,
         "rope_theta": 1e6, "rms_norm_eps": 1e-5, "num_nextn_predict_layers": 0},
+    # DeepSeek-V3 / R1 (Kimi-K2 shares the layer): multi-head latent attention (128 heads, q rank 1536, a
+    # cached latent of 512 + 64), a dense first layer of 18432, then experts of 2048 (here 32 of its 256 a
+    # layer: a token reads 8 whatever the count) with a shared expert, sigmoid routing with a score bias
+    # and groups
+    "deepseek-v3": {
+        "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 7168,
+        "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 32, "n_shared_experts": 1,
+        "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid", "routed_scaling_factor": 2.5, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+        "norm_topk_prob": True, "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536,
+        "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "rope_theta": 10000, "rms_norm_eps": 1e-6, "num_nextn_predict_layers": 0,
+        "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}},
 }
+LAYERS = {"deepseek-v3": 4}  # a smaller model where one layer is 3 GB of bf16 source; others 8
 
 
 def config(name: str, layers: int) -> dict:
@@ -64,10 +79,12 @@ def config(name: str, layers: int) -> dict:
 
 def tensors(cfg: dict) -> list[tuple[str, str, list[int]]]:
     sys.path.insert(0, str(ROOT / "tests"))
-    from builders import decoder_tensors, hybrid_tensors, qwen3_moe_tensors
+    from builders import decoder_tensors, deepseek_tensors, hybrid_tensors, qwen3_moe_tensors
     kind = cfg["model_type"]
     if kind == "qwen3_moe":
         return qwen3_moe_tensors(cfg, fp8=False)
+    if kind == "deepseek_v3":
+        return deepseek_tensors(cfg)
     if kind == "qwen3_5_moe":  # text only: no vision tower, no MTP head (llama.cpp's converter: --no-mtp)
         return [t for t in hybrid_tensors(cfg) if not t[0].startswith(("model.visual.", "mtp."))]
     return decoder_tensors(cfg)

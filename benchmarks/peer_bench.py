@@ -9,7 +9,9 @@ Cases (the random-weight models have a real model's per-layer geometry and 8 lay
   (b) the same under a cgroup v1 memory limit of half the Q4_0 GGUF's size (RAM and page cache together);
   (c) the bundled model, examples/stdlib-moe;
   (q35) Qwen3.5-35B-A3B's geometry (6 Gated DeltaNet and 2 gated-attention layers), in RAM;
-  (glm) GLM-4.5-Air's geometry (a dense first layer, 32 of its 128 experts a layer), in RAM.
+  (glm) GLM-4.5-Air's geometry (a dense first layer, 32 of its 128 experts a layer), in RAM;
+  (ds3) DeepSeek-V3's geometry (latent attention, a dense first layer, 32 of its 256 experts a layer, 4
+        layers), in RAM; llama.cpp runs it as its `deepseek2` architecture.
 The GGUF comes from llama.cpp's own converter (convert_hf_to_gguf.py, in the llama-cpp-python source
 distribution, fetched with `pip download` if --llama-src is not given) at bf16, then llama.cpp's quantiser
 to Q4_0. The converter refuses tokenizers whose pre-tokenizer it does not know by hash; these checkpoints'
@@ -43,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.convert_bench import drop_caches  # noqa: E402
-from benchmarks.geometries import build  # noqa: E402
+from benchmarks.geometries import LAYERS, build  # noqa: E402
 from benchmarks.memlimit import run_worker  # noqa: E402
 
 DATA = ROOT / "bench-data"
@@ -53,7 +55,8 @@ MOSAIC_CONFIGS = {  # name -> Engine.open settings
     "mosaic exact": dict(precision="exact"),
     "mosaic q4 backbone": dict(backbone="q4"),
 }
-GEOMETRY_CASES = {"a": "qwen3-30b-a3b", "b": "qwen3-30b-a3b", "q35": "qwen3.5-35b-a3b", "glm": "glm-4.5-air"}
+GEOMETRY_CASES = {"a": "qwen3-30b-a3b", "b": "qwen3-30b-a3b", "q35": "qwen3.5-35b-a3b", "glm": "glm-4.5-air",
+                  "ds3": "deepseek-v3"}
 LLAMA_CONFIGS = {"llama.cpp Q4_0": True, "llama.cpp Q4_0 no-repack": False}  # name -> weight repacking
 ENGINE_BYTES = 850 << 20  # case (b): what Mosaic needs besides its ring (backbone, torch, KV cache)
 
@@ -80,9 +83,11 @@ def mosaic_worker(model: str, prompt: list[int], decode: list[int], threads: int
     decode_s = time.perf_counter() - t
     engine._sync_stats()
     s = engine.stats
+    kv = engine.model.state.kv
     return {"load_s": load_s, "cold_ttft_s": load_s + ttft, "prefill_tok_s": len(prompt) / ttft,
             "decode_tok_s": len(decode) / decode_s, "token_bytes": mosaic_token_bytes(engine),
-            "hit_rate": s.hit_rate, "read_per_token": s.bytes_read / pos, "first": first}
+            "hit_rate": s.hit_rate, "read_per_token": s.bytes_read / pos, "first": first,
+            "kv_bytes_per_token": kv.page_bytes / kv.page_tokens if kv is not None else 0}
 
 
 def mosaic_token_bytes(engine) -> int:
@@ -135,12 +140,15 @@ def llama_worker(gguf: str, prompt: list[int], decode: list[int], threads: int, 
     t = time.perf_counter()
     first = feed(prompt)
     ttft = time.perf_counter() - t
+    state = L.llama_state_get_size(ctx)
     t = time.perf_counter()
     for token in decode:
         feed([token])
     decode_s = time.perf_counter() - t
+    # what its state grew by, a decoded token: the KV cache rows it wrote
+    kv_per_token = (L.llama_state_get_size(ctx) - state) / len(decode)
     return {"load_s": load_s, "cold_ttft_s": load_s + ttft, "prefill_tok_s": len(prompt) / ttft,
-            "decode_tok_s": len(decode) / decode_s, "first": first}
+            "decode_tok_s": len(decode) / decode_s, "first": first, "kv_bytes_per_token": kv_per_token}
 
 
 def bandwidth(threads: int, reps: int = 5) -> float:
@@ -221,7 +229,8 @@ def make_vault(ckpt: Path, name: str) -> Path:
 def random_checkpoint(geometry: str) -> Path:
     """An 8-layer model of that geometry (benchmarks/geometries.py), with the bundled tokenizer beside it
     (llama.cpp's converter needs one; token ids above its 4,096 become padding tokens in the GGUF)."""
-    ckpt = build(geometry, DATA / f"{geometry}-8l", 8)
+    layers = LAYERS.get(geometry, 8)
+    ckpt = build(geometry, DATA / f"{geometry}-{layers}l", layers)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         if not (ckpt / f).exists():
             shutil.copy(BUNDLED / f, ckpt / f)
@@ -270,12 +279,13 @@ def main() -> None:
         else:
             geometry = GEOMETRY_CASES[case]
             ckpt = random_checkpoint(geometry)
-            models[case] = (make_vault(ckpt, f"{geometry}-8l"), make_gguf(ckpt, f"{geometry}-8l", src))
+            models[case] = (make_vault(ckpt, ckpt.name), make_gguf(ckpt, ckpt.name, src))
     print(f"llama-cpp-python {importlib.metadata.version('llama-cpp-python')}; threads {args.threads}; "
           f"prompt {args.prompt} tokens, {args.tokens} decoded; page cache dropped before each run")
     print("| case | engine | cold TTFT s | prefill tok/s | decode tok/s | decode vs llama.cpp Q4_0 | "
-          "weight MB per token | token time / (bytes / bandwidth) | Mosaic ring hit rate, MB read per token |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "weight MB per token | token time / (bytes / bandwidth) | KV KB per token | "
+          "Mosaic ring hit rate, MB read per token |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for case in args.cases.split(","):
         vault, gguf = models[case]
         stream = token_stream(case, args.prompt + args.tokens)
@@ -309,7 +319,8 @@ def main() -> None:
             print(f"| ({case}) | {name} | {med('cold_ttft_s'):.2f} | {med('prefill_tok_s'):.1f} | "
                   f"{med('decode_tok_s'):.1f} ({min(r['decode_tok_s'] for r in rs):.1f}-"
                   f"{max(r['decode_tok_s'] for r in rs):.1f}) | {med('decode_tok_s') / peer:.2f}x | "
-                  f"{tb / 1e6:.0f} | {1 / roof:.2f} | {ring_column(rs)} |", flush=True)
+                  f"{tb / 1e6:.0f} | {1 / roof:.2f} | {med('kv_bytes_per_token') / 1e3:.1f} | {ring_column(rs)} |",
+                  flush=True)
         print(f"(case {case}) same-run streaming bandwidth: {', '.join(f'{b:.1f}' for b in bws)} GB/s")
 
 

@@ -8,8 +8,8 @@ its output matrix at 6 bits.
 
 Quantised: attention and DeltaNet projections, dense MLPs, shared experts and lm_head. Kept as stored:
 the embedding (a lookup), router gates and the shared-expert gate (routing is where a small error
-changes which experts run), latent attention's kv_b_proj (absorbed into each head's query and output,
-models/weights.py), norms and other vectors.
+changes which experts run), norms and other vectors. Latent attention's kv_b_proj is kept here and
+quantised by the model once split into the halves it multiplies by (models/weights.split_latent_kv).
 
 load_backbone quantises tensor by tensor as it reads the file, so a backbone that does not fit in memory
 as bf16 (DeepSeek-V3's 36 GB) loads in the memory its quantised form takes, plus one tensor.
@@ -101,11 +101,18 @@ def _mode_of(name: str, mode: str, dims: int) -> str | None:
     return "int8" if mode == "q4" and name == "lm_head.weight" else mode
 
 
+# Latent attention's kv_b_proj, which the model splits in two halves quantised under the mode
+# (models/weights.split_latent_kv): counted as one matrix of its shape, a few hundred KB a layer from exact.
+_SPLIT = re.compile(r"self_attn\.kv_b_proj\.weight$")
+
+
 def held_bytes(name: str, shape: tuple[int, ...], itemsize: int, mode: str) -> int:
-    """Bytes a backbone tensor takes in memory under a mode (what prepare_backbone makes of it), from its
-    name and shape alone."""
+    """Bytes a backbone tensor takes in memory under a mode (what prepare_backbone, and the model's split
+    of kv_b_proj, make of it), from its name and shape alone."""
     as_stored = itemsize * math.prod(shape)
     held = _mode_of(name, mode, len(shape))
+    if held is None and mode != "bf16" and len(shape) == 2 and _SPLIT.search(name):
+        held = mode
     if held is None:
         return as_stored
     rows, cols = shape

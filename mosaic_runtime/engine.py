@@ -20,7 +20,7 @@ from .cache.pressure import CHECK_EVERY_S, MemoryValve
 from .cache.store import ExpertStore
 from .experts import NativeExperts, TorchExperts
 from .generate import Detokenizer, StopText, TextCodec, sample
-from .models import build_model, model_recipe
+from .models import build_model, model_recipe, prepare_tensors
 from .models.state import SequenceState
 from .limits import MemoryLimit, memory_limit
 from .ops import using_threads
@@ -248,7 +248,8 @@ class Engine:
             raise ValueError(f"kernel must be 'native', 'native-int8' or 'torch', not {kernel!r}")
         if dev is not None:
             experts = TieredExperts.open(experts, dev, vram_budget, tier_policy, resident if on_cuda else 0)
-        weights = load_backbone(directory / BACKBONE_FILE, backbone, vault.arch["tie_word_embeddings"])
+        weights = prepare_tensors(recipe, load_backbone(directory / BACKBONE_FILE, backbone,
+                                                        vault.arch["tie_word_embeddings"]), backbone)
         if on_cuda:
             weights = {name: w.to(dev) for name, w in weights.items()}
         else:

@@ -12,7 +12,7 @@ from ..experts import ExpertExecutor
 from .decoder import Decoder
 from .families import FAMILIES
 from ..recipe import ModelRecipe, read_recipe
-from .weights import Matrix, load_weights
+from .weights import Matrix, load_weights, split_latent_kv
 
 
 def model_recipe(arch: dict) -> ModelRecipe:
@@ -22,6 +22,12 @@ def model_recipe(arch: dict) -> ModelRecipe:
         raise NotImplementedError(f"model_type {recipe.model_type!r} has no runtime model "
                                   f"(supported: {', '.join(sorted(FAMILIES))})")
     return recipe
+
+
+def prepare_tensors(recipe: ModelRecipe, tensors: dict, backbone: str) -> dict:
+    """What the model derives from the backbone before it is laid out in memory (latent attention's
+    kv_b_proj split and quantised as the backbone mode says: weights.split_latent_kv)."""
+    return split_latent_kv(recipe, FAMILIES[recipe.model_type], tensors, backbone)
 
 
 def build_model(recipe: ModelRecipe, tensors: Mapping[str, Matrix], experts: ExpertExecutor, max_seq: int,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..backbone import Q4Matrix, QuantizedMatrix
 from ..experts import ExpertExecutor
 from ..ops import linear
 from ..routing import route
@@ -22,6 +23,12 @@ from ..recipe import Attention, DeltaNet, Ffn, LatentAttention, ModelRecipe, QkN
 from .rope import Rotary
 from .state import SequenceState
 from .weights import AttentionWeights, DeltaNetWeights, FfnWeights, LatentWeights, ModelWeights
+
+
+def dense(w, dtype: torch.dtype) -> torch.Tensor:
+    """A matrix as a plain tensor of dtype: a quantised one dequantised (for the per-head products that
+    ops.linear does not take)."""
+    return w.dequantize().to(dtype) if isinstance(w, (QuantizedMatrix, Q4Matrix)) else w.to(dtype)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -88,11 +95,11 @@ class Decoder:
         c, k_pe = linear(x, w.kv_a).split([att.kv_lora_rank, att.rope_dim], dim=-1)
         latent = torch.cat([rms_norm(c, w.kv_a_norm, eps), self.rotary.apply(k_pe[:, None, :], rope)[:, 0]], dim=-1)
         cache, _ = self.state.kv.store(slot, start, latent[:, None, :], None)
-        uk = w.uk_t.view(h, att.kv_lora_rank, att.nope_dim).to(q.dtype).transpose(1, 2)  # [heads, nope, rank]
+        uk = dense(w.uk_t, q.dtype).view(h, att.kv_lora_rank, att.nope_dim).transpose(1, 2)  # [heads, nope, rank]
         q_latent = torch.bmm(q_nope.transpose(0, 1), uk)  # [heads, T, kv_lora_rank]
         q = torch.cat([q_latent.transpose(0, 1), self.rotary.apply(q_pe, rope)], dim=-1)  # [T, heads, latent]
         o = cached_attention(q, cache, cache, start, att.scale).view(t, h, att.latent_dim)[..., :att.kv_lora_rank]
-        uv = w.uv.view(h, att.v_dim, att.kv_lora_rank).to(q.dtype).transpose(1, 2)  # [heads, rank, v_dim]
+        uv = dense(w.uv, q.dtype).view(h, att.v_dim, att.kv_lora_rank).transpose(1, 2)  # [heads, rank, v_dim]
         o = torch.bmm(o.transpose(0, 1), uv)  # [heads, T, v_dim]
         return linear(o.transpose(0, 1).reshape(t, h * att.v_dim), w.o)
 

@@ -12,7 +12,7 @@ from typing import Mapping, Union
 
 import torch
 
-from ..backbone import Q4Matrix, QuantizedMatrix
+from ..backbone import Q4Matrix, QuantizedMatrix, quantize_matrix
 from .families import WeightNames
 from ..recipe import Attention, DeltaNet, LatentAttention, ModelRecipe, QkNorm
 
@@ -42,9 +42,9 @@ class LatentWeights:
     kv_a: Matrix  # [kv_lora_rank + rope, H]: the latent, then the shared rope key
     kv_a_norm: torch.Tensor  # [kv_lora_rank]
     # kv_b_proj [heads * (nope + v), kv_lora_rank] (per head its key rows, then its value rows) as the two
-    # halves the absorbed attention multiplies by, in kv_b_proj's dtype:
-    uk_t: torch.Tensor  # [heads * kv_lora_rank, nope]: each head's key rows, transposed
-    uv: torch.Tensor  # [heads * v, kv_lora_rank]: each head's value rows
+    # halves the absorbed attention multiplies by (split_latent_kv):
+    uk_t: Matrix  # [heads * kv_lora_rank, nope]: each head's key rows, transposed
+    uv: Matrix  # [heads * v, kv_lora_rank]: each head's value rows
     o: Matrix  # [H, heads * v]
 
 
@@ -161,12 +161,10 @@ def _latent(t: _Tensors, of, prefix: str, att: LatentAttention) -> LatentWeights
     else:
         q, q_a, q_a_norm, q_b = t.matrix(p("q_proj.weight")), None, None, None
     kv_a = t.matrix(p("kv_a_proj_with_mqa.weight"))
-    kv_b = t.matrix(p("kv_b_proj.weight"))
-    if not isinstance(kv_b, torch.Tensor):
-        raise NotImplementedError("kv_b_proj must be held as stored (it is absorbed into queries and outputs)")
-    kv_b = kv_b.view(att.heads, att.nope_dim + att.v_dim, att.kv_lora_rank)
-    uk_t = kv_b[:, :att.nope_dim].transpose(1, 2).reshape(att.heads * att.kv_lora_rank, att.nope_dim).contiguous()
-    uv = kv_b[:, att.nope_dim:].reshape(att.heads * att.v_dim, att.kv_lora_rank).contiguous()
+    if p(UK_T) in t.tensors:
+        uk_t, uv = t.matrix(p(UK_T)), t.matrix(p(UV))
+    else:
+        uk_t, uv = split_kv_b(t.matrix(p("kv_b_proj.weight")), att)
     if att.rope_interleave:  # pairs (0, 1), (2, 3)... to halves: the same rotation, as rotate-half computes it
         pairs = torch.cat([torch.arange(0, att.rope_dim, 2), torch.arange(1, att.rope_dim, 2)])
         q_index = torch.arange(att.heads * rows).view(att.heads, rows)
@@ -180,6 +178,33 @@ def _latent(t: _Tensors, of, prefix: str, att: LatentAttention) -> LatentWeights
         kv_a = permute_rows(kv_a, kv_index)
     return LatentWeights(q, q_a, q_a_norm, q_b, kv_a, t.norm(p("kv_a_layernorm.weight")), uk_t, uv,
                          t.matrix(p("o_proj.weight")))
+
+
+UK_T, UV = "kv_b_proj.uk_t", "kv_b_proj.uv"  # names of kv_b_proj's halves, beside its own
+
+
+def split_kv_b(kv_b: torch.Tensor, att: LatentAttention) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b_proj [heads * (nope + v), kv_lora_rank] as (uk_t [heads * kv_lora_rank, nope], each head's key
+    rows transposed; uv [heads * v, kv_lora_rank], each head's value rows): a query absorbs uk_t, an
+    attended latent leaves through uv, each as a matrix-vector product per head."""
+    if not isinstance(kv_b, torch.Tensor):
+        raise NotImplementedError("kv_b_proj must be held as stored until it is split (split_latent_kv)")
+    kv_b = kv_b.view(att.heads, att.nope_dim + att.v_dim, att.kv_lora_rank)
+    uk_t = kv_b[:, :att.nope_dim].transpose(1, 2).reshape(att.heads * att.kv_lora_rank, att.nope_dim).contiguous()
+    return uk_t, kv_b[:, att.nope_dim:].reshape(att.heads * att.v_dim, att.kv_lora_rank).contiguous()
+
+
+def split_latent_kv(recipe: ModelRecipe, names: WeightNames, tensors: dict, mode: str) -> dict:
+    """tensors with each latent-attention layer's kv_b_proj replaced by its halves (split_kv_b), quantised
+    as the backbone mode quantises projections (backbone.quantize_matrix): done before the backbone is laid
+    out in memory, so kv_b_proj is never held twice."""
+    for i, layer in enumerate(recipe.layers):
+        name = names.of(i, names.attention + "kv_b_proj.weight")
+        if isinstance(layer.mixer, LatentAttention) and name in tensors:
+            halves = split_kv_b(tensors.pop(name), layer.mixer)
+            for part, m in zip((UK_T, UV), halves):
+                tensors[names.of(i, names.attention + part)] = m if mode == "bf16" else quantize_matrix(m, mode)
+    return tensors
 
 
 def permute_rows(m: Matrix, index: torch.Tensor) -> Matrix:
