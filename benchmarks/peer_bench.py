@@ -175,8 +175,9 @@ def llama_source(given: str | None) -> Path:
     root = DATA / "peer" / f"llama_cpp_python-{version}"
     if not root.exists():
         (DATA / "peer").mkdir(parents=True, exist_ok=True)
+        # without --no-build-isolation pip builds cmake from source just to read the sdist's metadata
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                        "-d", str(DATA / "peer"), f"llama-cpp-python=={version}"], check=True)
+                        "--no-build-isolation", "-d", str(DATA / "peer"), f"llama-cpp-python=={version}"], check=True)
         with tarfile.open(DATA / "peer" / f"llama_cpp_python-{version}.tar.gz") as tar:
             tar.extractall(DATA / "peer", filter="data")
     return root / "vendor" / "llama.cpp"
