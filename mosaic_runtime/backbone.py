@@ -30,8 +30,9 @@ from .vault.quant import dequantize_q4, quantize_q4
 
 BACKBONE_MODES = ("bf16", "int8", "fp8", "q4")
 FP8_MAX = 448.0  # largest finite E4M3 value
-_QUANTISED = re.compile(r"(self_attn\.([qkvo]_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa)|linear_attn\.(in_proj_\w+|out_proj)|"
-                        r"mlp\.(gate|up|down)_proj|shared_experts?\.(gate|up|down)_proj)\.weight$|^lm_head\.weight$")
+_QUANTISED = re.compile(r"(self_attn\.([qkvo]_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa)|"
+                        r"linear_attn\.(in_proj_\w+|out_proj)|mlp\.(gate|up|down)_proj|"
+                        r"shared_experts?\.(gate|up|down)_proj)\.weight$|^lm_head\.weight$")
 
 
 @dataclass

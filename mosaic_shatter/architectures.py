@@ -297,7 +297,8 @@ def _deepseek_arch(cfg: dict, generation_cfg: dict | None, *, v3: bool) -> dict:
         moe_intermediate_size=int(cfg["moe_intermediate_size"]), norm_topk_prob=norm_topk, scoring_func=scoring,
         topk_method=method, n_group=int(_get(cfg, "n_group", default=1)),
         topk_group=int(_get(cfg, "topk_group", default=1)), routed_scaling_factor=scaling, router_score_bias=v3,
-        shared_expert_intermediate_size=int(cfg["moe_intermediate_size"]) * int(_get(cfg, "n_shared_experts", default=0)))
+        shared_expert_intermediate_size=int(cfg["moe_intermediate_size"]) * int(_get(cfg, "n_shared_experts",
+                                                                                     default=0)))
     arch["latent_attention"] = {
         "q_lora_rank": int(_get(cfg, "q_lora_rank", default=0)),
         "kv_lora_rank": int(cfg["kv_lora_rank"]),

@@ -298,7 +298,8 @@ def deepseek_tensors(cfg: dict, fp8: bool = False) -> list[tuple[str, str, list[
         return [(name, "F8_E4M3", [rows, cols]), (name + "_scale_inv", "F32", [-(-rows // 128), -(-cols // 128)])]
 
     def mlp(p: str, rows: int) -> list:
-        return proj(p + "gate_proj.weight", rows, h) + proj(p + "up_proj.weight", rows, h) + proj(p + "down_proj.weight", h, rows)
+        return (proj(p + "gate_proj.weight", rows, h) + proj(p + "up_proj.weight", rows, h)
+                + proj(p + "down_proj.weight", h, rows))
 
     def layer(i: int) -> list:
         p = f"model.layers.{i}."

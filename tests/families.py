@@ -14,9 +14,9 @@ BASE = dict(vocab_size=320, hidden_size=64, num_hidden_layers=3, num_attention_h
             pad_token_id=None, tie_word_embeddings=False)
 MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40, intermediate_size=112)
 # transformers' DeepSeek models take head_dim for the rope width
-MLA = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=40, intermediate_size=112, n_shared_experts=1,
-           first_k_dense_replace=1, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-           head_dim=8, v_head_dim=12)
+MLA = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=40, intermediate_size=112,
+           n_shared_experts=1, first_k_dense_replace=1, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
+           qk_rope_head_dim=8, head_dim=8, v_head_dim=12)
 ATTENTION_ATOL = 5e-5  # float32 end to end; logits of magnitude ~10
 # Both sides run a chunked delta rule in float32 with different formulations (transformers' UT transform
 # against our triangular solve), so their rounding differs more than in plain attention.

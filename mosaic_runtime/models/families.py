@@ -14,9 +14,10 @@ from dataclasses import dataclass
 class WeightNames:
     """Tensor names; `{i}` is the layer index. Attention tensors are `attention` + q_proj / k_proj / v_proj /
     o_proj (.weight, .bias) and q_norm / k_norm (.weight); latent attention's `attention` + q_proj (or
-    q_a_proj, q_a_layernorm, q_b_proj), kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj; Gated DeltaNet ones `delta_net` + in_proj_qkv,
-    in_proj_z, in_proj_b, in_proj_a (or Qwen3-Next's in_proj_qkvz, in_proj_ba), conv1d, A_log, dt_bias,
-    norm, out_proj; MLPs (dense or shared expert) their prefix + gate_proj / up_proj / down_proj."""
+    q_a_proj, q_a_layernorm, q_b_proj), kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj; Gated
+    DeltaNet ones `delta_net` + in_proj_qkv, in_proj_z, in_proj_b, in_proj_a (or Qwen3-Next's
+    in_proj_qkvz, in_proj_ba), conv1d, A_log, dt_bias, norm, out_proj; MLPs (dense or shared expert) their
+    prefix + gate_proj / up_proj / down_proj."""
 
     embed: str = "model.embed_tokens.weight"
     final_norm: str = "model.norm.weight"

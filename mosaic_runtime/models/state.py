@@ -1,6 +1,7 @@
 """What a sequence leaves behind: a KV cache for the attention layers only (one latent row per position for
-latent attention), and per Gated DeltaNet layer its conv window and recurrent state. Allocated once, at the size the recipe and max_seq give; the model reports
-that size before allocating it (bytes_for), so the engine gives the expert ring the rest."""
+latent attention), and per Gated DeltaNet layer its conv window and recurrent state. Allocated once, at
+the size the recipe and max_seq give; the model reports that size before allocating it (bytes_for), so the
+engine gives the expert ring the rest."""
 
 from __future__ import annotations
 

@@ -405,7 +405,8 @@ void init_decode(nb::module_& m) {
           check(cos.shape(0) == signed_sin.shape(0), "run: RoPE tables");
           for (const DecodeLayer& L : s.layers) {
             const int rot = L.mixer == DecodeLayer::Latent ? L.latent.rope_dim : L.attention.rot_dim;
-            check(L.mixer == DecodeLayer::DeltaNet || static_cast<size_t>(rot) == cos.shape(0), "run: RoPE table width");
+            check(L.mixer == DecodeLayer::DeltaNet || static_cast<size_t>(rot) == cos.shape(0),
+                  "run: RoPE table width");
           }
           kv.k = k.data(), kv.v = v.data(), kv.rows = static_cast<int64_t>(k.shape(2));
           kv.k_layer_stride = k.stride(0), kv.v_layer_stride = v.stride(0);

@@ -239,9 +239,10 @@ void latent_step(const LatentMixer& m, const KvRun& kv, const float* h, int pos,
   rope(q + m.nope_dim, H, dq, m.rope_dim, cos, signed_sin);  // each head's rope values, dq apart
 #pragma omp parallel for num_threads(std::min(threads, H)) schedule(static)
   for (int g = 0; g < H; ++g) {
-    project(row_slice(m.uk_t, g * r, r), q + static_cast<int64_t>(g) * dq, query + static_cast<int64_t>(g) * dl, 1, isa);
-    std::memcpy(query + static_cast<int64_t>(g) * dl + r, q + static_cast<int64_t>(g) * dq + m.nope_dim,
-                sizeof(float) * m.rope_dim);
+    const float* qg = q + static_cast<int64_t>(g) * dq;
+    float* query_g = query + static_cast<int64_t>(g) * dl;
+    project(row_slice(m.uk_t, g * r, r), qg, query_g, 1, isa);
+    std::memcpy(query_g + r, qg + m.nope_dim, sizeof(float) * m.rope_dim);
   }
   // The latent row is key and value alike: one row of the cache, read as both.
   const int64_t kl = m.kv_layer * kv.k_layer_stride, sl = m.kv_layer * kv.scale_layer_stride;

@@ -228,8 +228,13 @@ MOSAIC_VNNI static void quantise_x(const MatvecArgs& a, int quads, int groups, Q
 // loads in flight. The rows share the activation loads, and the codes' offset goes into each row's
 // accumulator (its lanes are summed anyway), so a row ends in one reduction.
 constexpr int kVnniPrefetch = 8192;  // 0.8 % faster than 4096 with the scales prefetched (same A/B)
+// Rows of more than this many columns prefetch into L2, not L1: their quantised x (a byte a column, plus
+// scales) and 8 KB of prefetched codes no longer fit L1 together, and evicting x stalled rows of 16k-18k
+// columns (o_proj, a dense down_proj) at 15-19 GB/s where L2 prefetches reach 25-28; short rows (an
+// expert's 768 or 2048) run faster with L1 prefetches (benchmarks/RESULTS.md, "Expert kernel").
+constexpr int kL2PrefetchCols = 4096;
 
-template <int R>
+template <int R, int Hint>
 MOSAIC_VNNI inline void q4_vnni_rows(const uint8_t* row0, const uint16_t* rs0, int blocks, int groups, const int8_t* q,
                                      const float* sx, const float* off, const __m512i* lane_block, float* y) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
@@ -253,7 +258,7 @@ MOSAIC_VNNI inline void q4_vnni_rows(const uint8_t* row0, const uint16_t* rs0, i
       const __m512i ql = _mm512_loadu_si512(q + p * 128), qh = _mm512_loadu_si512(q + p * 128 + 64);
       for (int i = 0; i < R; ++i) {
         const uint8_t* at = row0 + i * row_bytes + p * 64;
-        _mm_prefetch(reinterpret_cast<const char*>(at + kVnniPrefetch), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(at + kVnniPrefetch), static_cast<_mm_hint>(Hint));
         const __m512i v = in == 4 ? _mm512_loadu_si512(at) : _mm512_maskz_loadu_epi8((1ull << (in * 16)) - 1, at);
         const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
         const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, ql), hi, qh);
@@ -287,11 +292,14 @@ MOSAIC_VNNI void q4_vnni(const MatvecArgs& a) {
       const int8_t* q = q0 + static_cast<size_t>(t) * quads * 128;
       const size_t b = static_cast<size_t>(t) * groups * kGroup;
       float* y = a.y + static_cast<uint64_t>(t) * a.ldy + r;
-      if (r + kVnniRows <= a.rows) q4_vnni_rows<kVnniRows>(row, rs, blocks, groups, q, sx0 + b, off0 + b, lane_block, y);
-      else
-        for (int i = 0; r + i < a.rows; ++i)
-          q4_vnni_rows<1>(row + static_cast<uint64_t>(i) * blocks * kQ4Bytes, rs + static_cast<uint64_t>(i) * blocks, blocks,
-                          groups, q, sx0 + b, off0 + b, lane_block, y + i);
+      for (int i = 0; i < kVnniRows && r + i < a.rows; ++i) {
+        const uint8_t* ri = row + static_cast<uint64_t>(i) * blocks * kQ4Bytes;
+        const uint16_t* si = rs + static_cast<uint64_t>(i) * blocks;
+        if (a.cols > kL2PrefetchCols)
+          q4_vnni_rows<1, _MM_HINT_T1>(ri, si, blocks, groups, q, sx0 + b, off0 + b, lane_block, y + i);
+        else
+          q4_vnni_rows<1, _MM_HINT_T0>(ri, si, blocks, groups, q, sx0 + b, off0 + b, lane_block, y + i);
+      }
     }
   }
 }
