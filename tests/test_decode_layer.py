@@ -128,3 +128,24 @@ def test_layer_loop_refuses_a_slot_table_past_the_ring(model_dir):
         engine.store.slot_table[0, 0] = engine.store.ring.n_slots
         with pytest.raises(ValueError, match="slot out of range"):
             model.native.step(5, 0)
+
+
+@pytest.fixture(scope="module")
+def latent_dir(tmp_path_factory):
+    """A tiny DeepSeek-V3 network (the family runner's case): latent attention with a low-rank query."""
+    from families import CASES
+    root = tmp_path_factory.mktemp("latent")
+    return convert(str(CASES["deepseek_v3"].build(root / "ckpt", "per-expert")), root / "q4", "q4",
+                   progress=False).out
+
+
+@pytest.mark.parametrize("kv_dtype, atol", [("float32", ATOL), ("bfloat16", 1e-4), ("int8", 1e-3)])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_native_latent_attention_matches_the_torch_path(latent_dir, kv_dtype, atol, threads):
+    """The latent step (one latent row cached for key and value, kv_b_proj absorbed per head) over every
+    cache dtype and an uneven split of the heads over the threads; in the sanitizer set with the rest."""
+    with Engine.open(latent_dir, max_seq=64, precision="exact", kv_dtype=kv_dtype, threads=threads) as engine:
+        assert engine.model.native is not None
+        native, reference = decode(engine, True), decode(engine, False)
+    assert torch.equal(native.argmax(-1), reference.argmax(-1))
+    torch.testing.assert_close(native, reference, atol=atol, rtol=0)
