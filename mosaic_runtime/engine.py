@@ -98,6 +98,12 @@ def ring_slots(vault, ram_budget: int | None, resident: int, limit: MemoryLimit)
     else:
         free = limit.available - resident
         budget = free - ring_margin(free)
+        if budget < top_k * record:  # the backbone itself does not fit: say what would
+            raise ValueError(f"the backbone and the sequence state take {resident / 2**30:.2f} GiB and this process "
+                             f"may take {limit.available / 2**30:.2f} GiB ({limit.bound}), which leaves less than "
+                             f"one layer's top-{top_k} experts ({top_k * record:,} bytes); a quantised backbone "
+                             "holds less (backbone='int8' or 'q4', which precision='fast' takes), and a smaller "
+                             "max_seq or kv_dtype a smaller KV cache")
     if budget < top_k * record:
         raise ValueError(f"a RAM budget of {budget:,} bytes holds fewer than one layer's top-{top_k} experts; "
                          f"the minimum is {top_k * record:,} bytes"

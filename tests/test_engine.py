@@ -414,3 +414,18 @@ def test_a_record_read_ahead_counts_as_used_when_the_native_loop_runs_it(model_d
     store._reap_ahead()  # landed: in the slot table, as the native loop would find them
     store.used(1, ahead)  # what ran_natively says of the layer
     assert store.io.ahead_used == 2 and not store._ahead
+
+
+def test_a_backbone_that_does_not_fit_says_what_would():
+    """With no RAM budget, a backbone (bf16, as exact precision holds it) larger than what the process may
+    take is refused with the way out, not with a negative ring budget."""
+    from types import SimpleNamespace
+
+    from mosaic_runtime.engine import ring_slots
+    from mosaic_runtime.limits import MemoryLimit
+    vault = SimpleNamespace(header=SimpleNamespace(record_bytes=24 << 20, num_records=14_848),
+                            arch={"num_experts_per_tok": 8})
+    limit = MemoryLimit(available=30 << 30, bound="MemAvailable")
+    with pytest.raises(ValueError, match=r"backbone and the sequence state take 32\.00 GiB.*backbone='int8' or 'q4'"):
+        ring_slots(vault, None, 32 << 30, limit)
+    assert ring_slots(vault, None, 11 << 30, limit) > 8  # the q4 backbone leaves a ring
