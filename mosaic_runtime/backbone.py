@@ -147,7 +147,8 @@ def prepare_backbone(weights: dict[str, torch.Tensor], mode: str, tie_word_embed
     return out
 
 
-_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "I8": 1, "U8": 1}
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
+             "I8": 1, "U8": 1, "BOOL": 1}  # every dtype a backbone file may hold (integer tensors pass through)
 
 
 def file_tensors(path) -> dict[str, tuple[tuple[int, ...], int]]:
@@ -164,10 +165,11 @@ def load_backbone(path, mode: str, tie_word_embeddings: bool) -> dict:
         raise ValueError(f"backbone must be one of {BACKBONE_MODES}, not {mode!r}")
     out = {}
     with safe_open(str(path), framework="pt") as f:
-        for name in f.keys():
+        names = list(f.keys())
+        for name in names:
             out.update(prepare_backbone({name: f.get_tensor(name)}, mode, False))
             if tie_word_embeddings and name == "model.embed_tokens.weight" and mode != "bf16" \
-                    and "lm_head.weight" not in f.keys():
+                    and "lm_head.weight" not in names:  # the head's own quantised copy
                 out["lm_head.weight"] = quantize_matrix(out[name], _mode_of("lm_head.weight", mode, 2))
     return out
 

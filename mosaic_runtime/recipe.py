@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 
 class QkNorm(str, Enum):
@@ -42,6 +43,14 @@ class Rope:
     max_position_embeddings: int  # YaRN and llama3 fall back to it for original_max_position_embeddings
 
 
+class CacheGeometry(NamedTuple):
+    """What an attention layer keeps in the KV cache a position."""
+
+    heads: int
+    dim: int  # values a head
+    shared: bool  # one row is key and value (a latent cache)
+
+
 @dataclass(frozen=True)
 class Attention:
     """Softmax attention over a KV cache: GQA / MQA / MHA."""
@@ -62,9 +71,8 @@ class Attention:
         return self.head_dim ** -0.5
 
     @property
-    def cache_geometry(self) -> tuple[int, int, bool]:
-        """(heads, values a head, whether keys and values are one row) of the KV cache."""
-        return self.kv_heads, self.head_dim, False
+    def cache_geometry(self) -> CacheGeometry:
+        return CacheGeometry(self.kv_heads, self.head_dim, shared=False)
 
 
 @dataclass(frozen=True)
@@ -90,9 +98,8 @@ class LatentAttention:
         return self.kv_lora_rank + self.rope_dim
 
     @property
-    def cache_geometry(self) -> tuple[int, int, bool]:
-        """(heads, values a head, whether keys and values are one row) of the KV cache: one latent row."""
-        return 1, self.latent_dim, True
+    def cache_geometry(self) -> CacheGeometry:
+        return CacheGeometry(1, self.latent_dim, shared=True)  # one latent row a position
 
 
 @dataclass(frozen=True)

@@ -152,6 +152,9 @@ def _attention(t: _Tensors, of, prefix: str, att: Attention) -> AttentionWeights
         t.norm(p("q_norm.weight")) if norms else None, t.norm(p("k_norm.weight")) if norms else None)
 
 
+UK_T, UV = "kv_b_proj.uk_t", "kv_b_proj.uv"  # names of kv_b_proj's halves (split_latent_kv), beside its own
+
+
 def _latent(t: _Tensors, of, prefix: str, att: LatentAttention) -> LatentWeights:
     p = lambda name: of(prefix + name)  # noqa: E731
     rows = att.nope_dim + att.rope_dim
@@ -178,9 +181,6 @@ def _latent(t: _Tensors, of, prefix: str, att: LatentAttention) -> LatentWeights
         kv_a = permute_rows(kv_a, kv_index)
     return LatentWeights(q, q_a, q_a_norm, q_b, kv_a, t.norm(p("kv_a_layernorm.weight")), uk_t, uv,
                          t.matrix(p("o_proj.weight")))
-
-
-UK_T, UV = "kv_b_proj.uk_t", "kv_b_proj.uv"  # names of kv_b_proj's halves, beside its own
 
 
 def split_kv_b(kv_b: torch.Tensor, att: LatentAttention) -> tuple[torch.Tensor, torch.Tensor]:
