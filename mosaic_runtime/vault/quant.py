@@ -6,6 +6,8 @@ them; blocks run along cols (the input dimension) for Q4 and over 128 x 128 tile
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .format import FP8_BLOCK, FP8_E4M3_MAX, Q4_BLOCK, Q4_BLOCK_BYTES, Q4_ZERO, ScaleDtype
@@ -30,13 +32,40 @@ def _q4_codes(blocks: torch.Tensor, d: torch.Tensor):
     d32 = d.float()
     inv = torch.where(d32 != 0, 1.0 / d32, torch.zeros_like(d32))
     q = torch.mul(blocks, inv).round_().clamp_(-8, 7)
-    qw = torch.einsum("rbk,rbk->rb", q, blocks).unsqueeze(-1).double()
-    qq = torch.einsum("rbk,rbk->rb", q, q).unsqueeze(-1).double()
+    # In float64 the sums are exact whatever their order (a code times a float32 weight fits in 28 bits,
+    # and weights with a non-zero code are within 2^8 of the block's largest), so the native encoder,
+    # summing in its own order, reaches the same bits.
+    q64 = q.double()
+    qw = (q64 * blocks.double()).sum(-1, keepdim=True)
+    qq = (q64 * q64).sum(-1, keepdim=True)
     d64 = d32.double()
     return q, d64 * d64 * qq - 2 * d64 * qw, qw, qq
 
 
-def quantize_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+try:  # the format side needs no compiled extension (a convert runs without one), but uses it when built
+    from .._native import kernels as _kernels
+except ImportError:
+    _kernels = None
+_ENCODE_ERRORS = {1: "weights contain inf or nan", 2: "weights exceed the f16 range of Q4 scales"}
+
+
+def quantize_q4(w: torch.Tensor, threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_G32 (quantize_q4_reference's bytes) through the native encoder where the extension is built, on
+    `threads` threads (default: every core); else the reference itself."""
+    if _kernels is None:
+        return quantize_q4_reference(w)
+    rows, cols = w.shape
+    nb = -(-cols // Q4_BLOCK)
+    codes = torch.empty(rows, nb * Q4_BLOCK_BYTES, dtype=torch.uint8)
+    scales = torch.empty(rows, nb, dtype=torch.float16)
+    status = _kernels.encode_q4(threads or os.cpu_count() or 1, w.float().contiguous().numpy(), codes.numpy(),
+                                scales.view(torch.uint16).numpy())
+    if status:
+        raise ValueError(_ENCODE_ERRORS[status])
+    return codes, scales
+
+
+def quantize_q4_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_G32: w ~= d * (q - 8), one f16 d per 32 weights of a row.
 
     The encoder starts from llama.cpp's Q4_0 scale (the weight of largest magnitude maps to -8), refits

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "mosaic/crc32.h"
+#include "mosaic/encode.h"
 #include "mosaic/expert_ring.h"
 #include "mosaic/kernels.h"
 #include "mosaic/vault_format.h"
@@ -217,6 +218,18 @@ void init_kernels(nb::module_& m) {
     nb::gil_scoped_release release;
     linear_q4(codes.data(), scales.data(), static_cast<int>(codes.shape(0)), static_cast<int>(cols), x.data(),
               static_cast<int>(x.shape(0)), y.data(), threads, Isa(isa));
+  });
+  k.def("encode_q4", [](int threads, nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> w,
+                        nb::ndarray<uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> codes,
+                        nb::ndarray<uint16_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> scales) {
+    // Q4_G32 of w [rows, cols] into codes [rows, ceil(cols/32)*16] and f16 scales (as uint16); 0 when
+    // every weight was finite and every scale fits f16 (encode.h's EncodeStatus otherwise).
+    const size_t rows = w.shape(0), cols = w.shape(1), blocks = (cols + 31) / 32;
+    check(codes.shape(0) == rows && codes.shape(1) == blocks * 16 && scales.shape(0) == rows &&
+              scales.shape(1) == blocks, "encode_q4: shapes");
+    nb::gil_scoped_release release;
+    return static_cast<int>(encode_q4(w.data(), static_cast<int64_t>(rows), static_cast<int>(cols), codes.data(),
+                                      scales.data(), threads));
   });
   k.def("stream_read", [](Bytes data, int threads) {
     nb::gil_scoped_release release;

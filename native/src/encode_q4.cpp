@@ -1,0 +1,120 @@
+// The Q4_G32 encoder (encode.h), the same arithmetic as quant.quantize_q4 step for step so that the bytes
+// agree: float32 where it works in float32, the code sums in float64 in order (each product of a code and
+// a float32 weight is exact in float64), f16 conversions rounding to nearest even, the double -> f16 of the
+// refit scale through float as torch converts it. This file is compiled without FMA contraction
+// (CMakeLists.txt): a fused multiply-add would round the error terms differently from torch's separate
+// operations.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include <omp.h>
+
+#include "mosaic/encode.h"
+#include "mosaic/kernels.h"
+
+namespace mosaic {
+namespace {
+
+// float -> IEEE half, round to nearest even; overflow to infinity (as torch's conversion).
+uint16_t to_half(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof x);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  x &= 0x7FFFFFFFu;
+  if (x >= 0x7F800000u) return static_cast<uint16_t>(sign | (x > 0x7F800000u ? 0x7E00u : 0x7C00u));
+  if (x >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // rounds past 65504
+  if (x < 0x38800000u) {  // below 2^-14: a subnormal half (or zero)
+    if (x < 0x33000000u) return static_cast<uint16_t>(sign);  // below half the smallest subnormal
+    const uint32_t m = (x & 0x007FFFFFu) | 0x00800000u;
+    const int shift = 126 - static_cast<int>(x >> 23);  // 14..24
+    const uint32_t r = m >> shift, rem = m & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+    return static_cast<uint16_t>(sign | (r + (rem > halfway || (rem == halfway && (r & 1)))));
+  }
+  const uint32_t r = ((x - 0x38000000u) >> 13), rem = x & 0x1FFFu;
+  return static_cast<uint16_t>(sign | (r + (rem > 0x1000u || (rem == 0x1000u && (r & 1)))));
+}
+
+float from_half(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
+  uint32_t x;
+  if (e == 0) {
+    if (m == 0) {
+      x = sign;
+    } else {  // a subnormal half is normal in float
+      int shift = 0;
+      uint32_t mm = m;
+      while (!(mm & 0x400u)) mm <<= 1, ++shift;
+      x = sign | ((113u - shift) << 23) | ((mm & 0x3FFu) << 13);
+    }
+  } else if (e == 31) {
+    x = sign | 0x7F800000u | (m << 13);
+  } else {
+    x = sign | ((e + 112u) << 23) | (m << 13);
+  }
+  float f;
+  std::memcpy(&f, &x, sizeof f);
+  return f;
+}
+
+struct Fit {
+  float q[kQ4];
+  double qw, qq, err;
+};
+
+// Codes in [-8, 7] of a block under f16 scale d, with sum(q w), sum(q q) and the squared error less sum(w^2).
+void fit(const float* w, uint16_t d, Fit& f) {
+  const float d32 = from_half(d), inv = d32 != 0.f ? 1.f / d32 : 0.f;
+  f.qw = f.qq = 0.0;
+  for (int k = 0; k < kQ4; ++k) {
+    f.q[k] = std::clamp(std::nearbyint(w[k] * inv), -8.f, 7.f);
+    f.qw += static_cast<double>(f.q[k]) * w[k];
+    f.qq += static_cast<double>(f.q[k]) * f.q[k];
+  }
+  const double d64 = d32;
+  f.err = d64 * d64 * f.qq - 2 * d64 * f.qw;
+}
+
+}  // namespace
+
+EncodeStatus encode_q4(const float* w, int64_t rows, int cols, uint8_t* codes, uint16_t* scales, int threads) {
+  const int nb = (cols + kQ4 - 1) / kQ4;
+  int status = static_cast<int>(EncodeStatus::Ok);
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(max : status)
+  for (int64_t r = 0; r < rows; ++r) {
+    float block[kQ4];
+    Fit f0, f1;
+    for (int b = 0; b < nb; ++b) {
+      const int c0 = b * kQ4, len = std::min(kQ4, cols - c0);
+      std::memcpy(block, w + r * cols + c0, sizeof(float) * len);
+      std::fill(block + len, block + kQ4, 0.f);
+      float hi = block[0], lo = block[0];
+      bool finite = true;
+      for (int k = 0; k < kQ4; ++k) {
+        finite = finite && std::isfinite(block[k]);
+        hi = std::max(hi, block[k]);
+        lo = std::min(lo, block[k]);
+      }
+      if (!finite) {
+        status = std::max(status, static_cast<int>(EncodeStatus::NotFinite));
+        continue;
+      }
+      const float extreme = -lo > hi ? lo : hi;  // the signed weight of largest magnitude
+      const uint16_t d0 = to_half(extreme / -8.f);
+      fit(block, d0, f0);
+      const uint16_t d1 = to_half(static_cast<float>(f0.qw / std::max(f0.qq, 1.0)));
+      fit(block, d1, f1);
+      const bool better = f1.err < f0.err;
+      const uint16_t d = better ? d1 : d0;
+      if ((d & 0x7C00u) == 0x7C00u) status = std::max(status, static_cast<int>(EncodeStatus::ScaleOverflow));
+      const float* q = better ? f1.q : f0.q;
+      uint8_t* out = codes + (r * nb + b) * kQ4Bytes;
+      for (int j = 0; j < kQ4 / 2; ++j)
+        out[j] = static_cast<uint8_t>((static_cast<int>(q[j]) + 8) | ((static_cast<int>(q[j + kQ4 / 2]) + 8) << 4));
+      scales[r * nb + b] = d;
+    }
+  }
+  return static_cast<EncodeStatus>(status);
+}
+
+}  // namespace mosaic
