@@ -62,15 +62,27 @@ struct Fit {
   double qw, qq, err;
 };
 
+// x rounded to the nearest integer, ties to even (as nearbyint in the default rounding mode, without a libm
+// call): exact for |x| < 2^22; anything larger stays at least that large, which the clamp to [-8, 7] after it
+// treats alike.
+inline float round_even(float x) {
+  constexpr float kShift = 12582912.f;  // 1.5 * 2^23: adding it leaves no fraction bits
+  return (x + kShift) - kShift;
+}
+
 // Codes in [-8, 7] of a block under f16 scale d, with sum(q w), sum(q q) and the squared error less sum(w^2).
+// The float64 sums are exact in any order (quant._q4_codes), so they run as four independent chains.
 void fit(const float* w, uint16_t d, Fit& f) {
   const float d32 = from_half(d), inv = d32 != 0.f ? 1.f / d32 : 0.f;
-  f.qw = f.qq = 0.0;
-  for (int k = 0; k < kQ4; ++k) {
-    f.q[k] = std::clamp(std::nearbyint(w[k] * inv), -8.f, 7.f);
-    f.qw += static_cast<double>(f.q[k]) * w[k];
-    f.qq += static_cast<double>(f.q[k]) * f.q[k];
-  }
+  for (int k = 0; k < kQ4; ++k) f.q[k] = std::clamp(round_even(w[k] * inv), -8.f, 7.f);
+  double qw[4] = {}, qq[4] = {};
+  for (int k = 0; k < kQ4; k += 4)
+    for (int j = 0; j < 4; ++j) {
+      qw[j] += static_cast<double>(f.q[k + j]) * w[k + j];
+      qq[j] += static_cast<double>(f.q[k + j]) * f.q[k + j];
+    }
+  f.qw = (qw[0] + qw[1]) + (qw[2] + qw[3]);
+  f.qq = (qq[0] + qq[1]) + (qq[2] + qq[3]);
   const double d64 = d32;
   f.err = d64 * d64 * f.qq - 2 * d64 * f.qw;
 }
