@@ -76,23 +76,33 @@ class Q4Matrix:
         return dequantize_q4(self.codes, self.scales, self.cols)
 
 
+ROW_CHUNK_BYTES = 64 << 20  # float32 working copies of a matrix are made this many bytes of rows at a time
+
+
 def quantize_matrix(w: torch.Tensor, mode: str) -> QuantizedMatrix | Q4Matrix:
     """Per output row: int8 with scale amax/127, or E4M3 with scale amax/448 (round to nearest); or Q4_G32
-    as the vault stores experts (a scale per 32 weights)."""
-    w = w.float()
+    as the vault stores experts (a scale per 32 weights). Rows go in chunks, so quantising DeepSeek-V3's
+    lm_head (926 M weights) makes no float32 copy of all of it."""
     if mode == "q4":
         codes, scales = quantize_q4(w)
         return Q4Matrix(codes, scales, w.shape[1])
-    amax = w.abs().amax(dim=1).clamp_min(1e-30)
-    if mode == "int8":
-        scales = amax / 127.0
-        codes = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).view(torch.uint8)
-        return QuantizedMatrix(codes.contiguous(), scales.contiguous(), fp8=False)
-    if mode == "fp8":
-        scales = amax / FP8_MAX
-        codes = (w / scales[:, None]).to(torch.float8_e4m3fn).view(torch.uint8)
-        return QuantizedMatrix(codes.contiguous(), scales.contiguous(), fp8=True)
-    raise ValueError(f"quantize_matrix: mode must be 'int8', 'fp8' or 'q4', not {mode!r}")
+    if mode not in ("int8", "fp8"):
+        raise ValueError(f"quantize_matrix: mode must be 'int8', 'fp8' or 'q4', not {mode!r}")
+    rows, cols = w.shape
+    codes = torch.empty(rows, cols, dtype=torch.uint8)
+    scales = torch.empty(rows, dtype=torch.float32)
+    step = max(1, ROW_CHUNK_BYTES // (4 * max(cols, 1)))
+    for r0 in range(0, rows, step):
+        part = w[r0:r0 + step].float()
+        amax = part.abs().amax(dim=1).clamp_min(1e-30)
+        if mode == "int8":
+            s = amax / 127.0
+            codes[r0:r0 + step] = torch.round(part / s[:, None]).clamp(-127, 127).to(torch.int8).view(torch.uint8)
+        else:
+            s = amax / FP8_MAX
+            codes[r0:r0 + step] = (part / s[:, None]).to(torch.float8_e4m3fn).view(torch.uint8)
+        scales[r0:r0 + step] = s
+    return QuantizedMatrix(codes, scales, fp8=mode == "fp8")
 
 
 def _mode_of(name: str, mode: str, dims: int) -> str | None:

@@ -150,3 +150,34 @@ def test_native_q4_encoder_refuses_what_the_reference_refuses():
         quant.quantize_q4(torch.full((2, 32), 1e6))
     with pytest.raises(ValueError, match="f16 range"):
         quant.quantize_q4_reference(torch.full((2, 32), 1e6))
+
+
+def test_native_q4_encoder_takes_bf16_as_its_float32_values():
+    """bf16 weights go to the encoder as their bit patterns (no float32 copy): the same bytes as the float32
+    values they widen to, through the native encoder and the reference."""
+    from mosaic_runtime.vault import quant
+    if quant._kernels is None:
+        pytest.skip("the native extension is not built")
+    w = (torch.randn(37, 1000, generator=torch.Generator().manual_seed(3)) * 0.02).to(torch.bfloat16)
+    want = quant.quantize_q4_reference(w.float())
+    for got in (quant.quantize_q4(w), quant.quantize_q4(w.float())):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1].view(torch.int16), want[1].view(torch.int16))
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_row_chunks_quantise_as_the_whole_matrix(monkeypatch, mode):
+    """quantize_matrix works through row chunks; each row's scale and codes are what one pass over the whole
+    matrix gives (the per-row formula)."""
+    from mosaic_runtime import backbone
+    w = (torch.randn(300, 96, generator=torch.Generator().manual_seed(4)) * 0.02).to(torch.bfloat16)
+    monkeypatch.setattr(backbone, "ROW_CHUNK_BYTES", 7 * 96 * 4)  # 7 rows a chunk: 43 chunks, the last short
+    got = backbone.quantize_matrix(w, mode)
+    x = w.float()
+    amax = x.abs().amax(dim=1).clamp_min(1e-30)
+    if mode == "int8":
+        scales = amax / 127.0
+        codes = torch.round(x / scales[:, None]).clamp(-127, 127).to(torch.int8).view(torch.uint8)
+    else:
+        scales = amax / backbone.FP8_MAX
+        codes = (x / scales[:, None]).to(torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(got.codes, codes) and torch.equal(got.scales, scales) and got.fp8 == (mode == "fp8")

@@ -58,7 +58,9 @@ def quantize_q4(w: torch.Tensor, threads: int | None = None) -> tuple[torch.Tens
     nb = -(-cols // Q4_BLOCK)
     codes = torch.empty(rows, nb * Q4_BLOCK_BYTES, dtype=torch.uint8)
     scales = torch.empty(rows, nb, dtype=torch.float16)
-    status = _kernels.encode_q4(threads or os.cpu_count() or 1, w.float().contiguous().numpy(), codes.numpy(),
+    # bf16 goes as its bit patterns, widened block by block natively: no float32 copy of a large matrix
+    src = w.contiguous().view(torch.uint16) if w.dtype == torch.bfloat16 else w.float().contiguous()
+    status = _kernels.encode_q4(threads or os.cpu_count() or 1, src.numpy(), codes.numpy(),
                                 scales.view(torch.uint16).numpy())
     if status:
         raise ValueError(_ENCODE_ERRORS[status])

@@ -219,17 +219,24 @@ void init_kernels(nb::module_& m) {
     linear_q4(codes.data(), scales.data(), static_cast<int>(codes.shape(0)), static_cast<int>(cols), x.data(),
               static_cast<int>(x.shape(0)), y.data(), threads, Isa(isa));
   });
-  k.def("encode_q4", [](int threads, nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> w,
+  k.def("encode_q4", [](int threads, nb::ndarray<nb::ndim<2>, nb::c_contig, nb::device::cpu> w,
                         nb::ndarray<uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> codes,
                         nb::ndarray<uint16_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> scales) {
-    // Q4_G32 of w [rows, cols] into codes [rows, ceil(cols/32)*16] and f16 scales (as uint16); 0 when
-    // every weight was finite and every scale fits f16 (encode.h's EncodeStatus otherwise).
+    // Q4_G32 of w [rows, cols] (float32, or bf16 as its uint16 bit patterns) into codes
+    // [rows, ceil(cols/32)*16] and f16 scales (as uint16); 0 when every weight was finite and every scale
+    // fits f16 (encode.h's EncodeStatus otherwise).
     const size_t rows = w.shape(0), cols = w.shape(1), blocks = (cols + 31) / 32;
     check(codes.shape(0) == rows && codes.shape(1) == blocks * 16 && scales.shape(0) == rows &&
               scales.shape(1) == blocks, "encode_q4: shapes");
+    const bool bf16 = w.dtype() == nb::dtype<uint16_t>();
+    check(bf16 || w.dtype() == nb::dtype<float>(), "encode_q4: weights are float32 or bf16 bits (uint16)");
     nb::gil_scoped_release release;
-    return static_cast<int>(encode_q4(w.data(), static_cast<int64_t>(rows), static_cast<int>(cols), codes.data(),
-                                      scales.data(), threads));
+    const EncodeStatus status =
+        bf16 ? encode_q4_bf16(static_cast<const uint16_t*>(w.data()), static_cast<int64_t>(rows),
+                              static_cast<int>(cols), codes.data(), scales.data(), threads)
+             : encode_q4(static_cast<const float*>(w.data()), static_cast<int64_t>(rows), static_cast<int>(cols),
+                         codes.data(), scales.data(), threads);
+    return static_cast<int>(status);
   });
   k.def("stream_read", [](Bytes data, int threads) {
     nb::gil_scoped_release release;

@@ -87,9 +87,17 @@ void fit(const float* w, uint16_t d, Fit& f) {
   f.err = d64 * d64 * f.qq - 2 * d64 * f.qw;
 }
 
-}  // namespace
+// Element i of a row as float32: as it is, or widened from bf16 bits (exact).
+inline float widen(const float* row, int i) { return row[i]; }
+inline float widen(const uint16_t* row, int i) {
+  const uint32_t u = static_cast<uint32_t>(row[i]) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
 
-EncodeStatus encode_q4(const float* w, int64_t rows, int cols, uint8_t* codes, uint16_t* scales, int threads) {
+template <typename T>
+EncodeStatus encode(const T* w, int64_t rows, int cols, uint8_t* codes, uint16_t* scales, int threads) {
   const int nb = (cols + kQ4 - 1) / kQ4;
   int status = static_cast<int>(EncodeStatus::Ok);
 #pragma omp parallel for num_threads(threads) schedule(static) reduction(max : status)
@@ -98,7 +106,8 @@ EncodeStatus encode_q4(const float* w, int64_t rows, int cols, uint8_t* codes, u
     Fit f0, f1;
     for (int b = 0; b < nb; ++b) {
       const int c0 = b * kQ4, len = std::min(kQ4, cols - c0);
-      std::memcpy(block, w + r * cols + c0, sizeof(float) * len);
+      const T* row = w + r * cols + c0;
+      for (int k = 0; k < len; ++k) block[k] = widen(row, k);
       std::fill(block + len, block + kQ4, 0.f);
       float hi = block[0], lo = block[0];
       bool finite = true;
@@ -127,6 +136,17 @@ EncodeStatus encode_q4(const float* w, int64_t rows, int cols, uint8_t* codes, u
     }
   }
   return static_cast<EncodeStatus>(status);
+}
+
+}  // namespace
+
+EncodeStatus encode_q4(const float* w, int64_t rows, int cols, uint8_t* codes, uint16_t* scales, int threads) {
+  return encode(w, rows, cols, codes, scales, threads);
+}
+
+EncodeStatus encode_q4_bf16(const uint16_t* w, int64_t rows, int cols, uint8_t* codes, uint16_t* scales,
+                            int threads) {
+  return encode(w, rows, cols, codes, scales, threads);
 }
 
 }  // namespace mosaic

@@ -16,5 +16,8 @@ enum class EncodeStatus : int { Ok = 0, NotFinite = 1, ScaleOverflow = 2 };
 // the last whole block are zeros (code 8). NotFinite: a weight is inf or nan; ScaleOverflow: a scale
 // exceeds f16. Either way nothing written is meaningful.
 EncodeStatus encode_q4(const float* w, int64_t rows, int cols, uint8_t* codes, uint16_t* scales, int threads);
+// The same of bf16 weights (their bit patterns), widened block by block: no float32 copy of the matrix.
+EncodeStatus encode_q4_bf16(const uint16_t* w, int64_t rows, int cols, uint8_t* codes, uint16_t* scales,
+                            int threads);
 
 }  // namespace mosaic
