@@ -51,11 +51,15 @@ def test_a_message_streams_back_with_its_figures(server, browser):
     wait.until(lambda d: "experts" in d.find_element(By.ID, "meter").text)  # the ring meter, from /stats
 
     # Watch the answer's text as the page shows it: it must grow more than once before the answer ends.
+    # Every text the page gives the answer is read from the mutation records themselves, not from the page
+    # when the observer runs: the bundled model answers in milliseconds, and on loopback its whole stream
+    # can arrive in one read, whose updates one observer call would see only the last of.
     browser.execute_script("""
         window.seen = [];
-        new MutationObserver(() => {
-          const texts = document.querySelectorAll('.turn .text');
-          if (texts.length) window.seen.push(texts[texts.length - 1].textContent);
+        new MutationObserver(records => {
+          for (const r of records)
+            if (r.target.classList && r.target.classList.contains('text'))
+              for (const node of r.addedNodes) window.seen.push(node.textContent);
         }).observe(document.getElementById('log'), {subtree: true, childList: true, characterData: true});""")
     box = browser.find_element(By.ID, "prompt")
     box.send_keys("What does `json.dumps` do?")
