@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, replace
+from typing import Collection, Iterable
 
 import torch
 from safetensors import safe_open
@@ -143,17 +144,21 @@ def resident_bytes(tensors: dict[str, tuple[tuple[int, ...], int]], mode: str, t
 
 def prepare_backbone(weights: dict[str, torch.Tensor], mode: str, tie_word_embeddings: bool) -> dict:
     """The backbone as the model should hold it: bf16 as stored, or its projections quantised."""
+    return _prepared(weights.items(), weights.keys(), mode, tie_word_embeddings)
+
+
+def _prepared(tensors: Iterable[tuple[str, torch.Tensor]], names: Collection[str], mode: str,
+              tie_word_embeddings: bool) -> dict:
+    """prepare_backbone of (name, tensor) pairs taken one at a time, each quantised before the next is taken."""
     if mode not in BACKBONE_MODES:
         raise ValueError(f"backbone must be one of {BACKBONE_MODES}, not {mode!r}")
-    if mode == "bf16":
-        return weights
-    out = dict(weights)
-    if tie_word_embeddings and "lm_head.weight" not in out:  # the head gets its own quantised copy
-        out["lm_head.weight"] = weights["model.embed_tokens.weight"]
-    for name, w in out.items():
+    out = {}
+    for name, w in tensors:
         held = _mode_of(name, mode, w.dim())
-        if held is not None:
-            out[name] = quantize_matrix(w, held)
+        out[name] = w if held is None else quantize_matrix(w, held)
+        if tie_word_embeddings and mode != "bf16" and name == "model.embed_tokens.weight" \
+                and "lm_head.weight" not in names:  # the head gets its own quantised copy
+            out["lm_head.weight"] = quantize_matrix(w, _mode_of("lm_head.weight", mode, 2))
     return out
 
 
@@ -171,17 +176,9 @@ def file_tensors(path) -> dict[str, tuple[tuple[int, ...], int]]:
 def load_backbone(path, mode: str, tie_word_embeddings: bool) -> dict:
     """prepare_backbone of a backbone file, read one tensor at a time: each is quantised before the next is
     read, so loading never holds the whole file as stored."""
-    if mode not in BACKBONE_MODES:
-        raise ValueError(f"backbone must be one of {BACKBONE_MODES}, not {mode!r}")
-    out = {}
     with safe_open(str(path), framework="pt") as f:
         names = list(f.keys())
-        for name in names:
-            out.update(prepare_backbone({name: f.get_tensor(name)}, mode, False))
-            if tie_word_embeddings and name == "model.embed_tokens.weight" and mode != "bf16" \
-                    and "lm_head.weight" not in names:  # the head's own quantised copy
-                out["lm_head.weight"] = quantize_matrix(out[name], _mode_of("lm_head.weight", mode, 2))
-    return out
+        return _prepared(((name, f.get_tensor(name)) for name in names), names, mode, tie_word_embeddings)
 
 
 def _arrays(w) -> dict[str, torch.Tensor]:

@@ -20,6 +20,7 @@ from .cache.pressure import CHECK_EVERY_S, MemoryValve
 from .cache.store import ExpertStore
 from .experts import NativeExperts, TorchExperts
 from .generate import Detokenizer, StopText, TextCodec, sample
+from .kv_cache import KV_DTYPES
 from .models import build_model, model_recipe, prepare_tensors
 from .models.state import SequenceState
 from .limits import MemoryLimit, memory_limit
@@ -31,7 +32,6 @@ from .vault.format import BACKBONE_FILE
 
 
 DEFAULT_IO = "buffered"  # chosen by benchmarks/reader_bench.py: see benchmarks/RESULTS.md
-KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 DEFAULT_TIER_POLICY = "decayed-frequency"  # chosen by benchmarks/routing_bench.py: see benchmarks/RESULTS.md
 MARGIN_BYTES = 1 << 30  # left for what the process allocates later (prefill activations, load-time copies)
 _WATCH = object()  # the engine's owner while the memory watch acts on it (it was idle)

@@ -23,6 +23,7 @@ import torch
 from .memory import zeroed_pool
 
 PAGE_TOKENS = 256
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}  # what a cache may hold
 
 
 class KVRun(NamedTuple):

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from mosaic_runtime.backbone import BACKBONE_MODES, resident_bytes
-from mosaic_runtime.kv_cache import KVCache
+from mosaic_runtime.kv_cache import KV_DTYPES, KVCache
 from mosaic_runtime.model_store import models_dir, store_name
 from mosaic_runtime.recipe import read_recipe
 from mosaic_runtime.vault.format import QUANT_NAMES, VaultError
@@ -81,13 +81,10 @@ def kv_bytes_per_1k_tokens(arch: dict) -> dict[str, int] | None:
     except NotImplementedError:
         return None
     if recipe.attention is None:
-        return {name: 0 for name in KV_ITEMSIZE}
+        return {name: 0 for name in KV_DTYPES}
     heads, dim, shared = recipe.attention.cache_geometry
-    return {name: KVCache.bytes_for(len(recipe.attention_layers), 1024, heads, dim, itemsize, shared=shared)
-            for name, itemsize in KV_ITEMSIZE.items()}
-
-
-KV_ITEMSIZE = {"float32": 4, "bfloat16": 2, "int8": 1}
+    return {name: KVCache.bytes_for(len(recipe.attention_layers), 1024, heads, dim, dtype.itemsize, shared=shared)
+            for name, dtype in KV_DTYPES.items()}
 
 
 def left_out(plan: Plan) -> dict[str, int]:

@@ -5,7 +5,7 @@ A quantised Linear `X` is stored as `X.weight_packed` (int32 [out, in / 8]: eigh
 i at bits 4i..4i+3, each code the value plus 8), `X.weight_scale` ([out, in / 32], the model's float dtype)
 and `X.weight_shape` (int32 [2]). The value of a weight is (code - 8) * scale.
 
-That is the vault's Q4_G32 arithmetic (vault_format.md §5), so a Q4 vault takes the codes as they are, only
+That is the vault's Q4_G32 arithmetic (vault_format.md §4.1), so a Q4 vault takes the codes as they are, only
 moved to its nibble order, and the scales converted to f16: exact for every scale f16 holds exactly (each
 bf16 value from 2^-17 up to 65504, and 0), rounded to the nearest f16 below that.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from mosaic_runtime.vault.format import Q4_BLOCK
+from mosaic_runtime.vault.format import Q4_BLOCK, Q4_BLOCK_BYTES
 
 PACKED, SCALE, SHAPE = ".weight_packed", ".weight_scale", ".weight_shape"
 GROUP = 32
@@ -46,7 +46,7 @@ def as_q4(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torc
     assert GROUP == Q4_BLOCK
     codes = unpack_codes(packed)
     rows = codes.shape[0]
-    blocks = codes.view(rows, -1, 2, Q4_BLOCK // 2)
+    blocks = codes.view(rows, -1, 2, Q4_BLOCK_BYTES)
     return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(rows, -1), scale.to(torch.float16)
 
 
@@ -58,11 +58,11 @@ def scheme_problem(qcfg: dict) -> str | None:
     if not isinstance(groups, dict) or not groups:
         return "compressed-tensors quantization_config has no config_groups"
     for name, group in groups.items():
-        w = (group or {}).get("weights") if isinstance(group, dict) else None
+        w = group.get("weights") if isinstance(group, dict) else None
         if not isinstance(w, dict):
             return f"compressed-tensors group {name!r} has no weights scheme"
         got = (w.get("num_bits"), w.get("type"), w.get("symmetric"), w.get("strategy"), w.get("group_size"))
-        if got != (4, "int", True, "group", GROUP) or w.get("dynamic") or (group.get("input_activations")):
+        if got != (4, "int", True, "group", GROUP) or w.get("dynamic") or group.get("input_activations"):
             return (f"compressed-tensors group {name!r}: weights {got} are not supported (only int4, symmetric, "
                     f"groups of {GROUP}, weight-only)")
     return None

@@ -134,6 +134,31 @@ void store_row(KvDtype dtype, void* cache, int64_t at, float* scales, int64_t sc
   }
 }
 
+// attn [heads, d] = the queries q [heads, d] attending over `length` cache rows of layer `layer` from
+// position `first` on, whatever the cache's dtype.
+void attend_cache(const KvRun& kv, int layer, int first, int length, const float* q, int heads, int d,
+                  int kv_heads, float scale, float* attn, int threads, Isa isa) {
+  const int64_t k0 = layer * kv.k_layer_stride + static_cast<int64_t>(first) * d;
+  const int64_t v0 = layer * kv.v_layer_stride + static_cast<int64_t>(first) * d;
+  const int64_t s0 = layer * kv.scale_layer_stride + first;
+  switch (kv.dtype) {
+    case KvDtype::F32:
+      decode_attention(q, heads, d, static_cast<const float*>(kv.k) + k0, static_cast<const float*>(kv.v) + v0,
+                       kv.k_head_stride, kv.v_head_stride, kv_heads, length, scale, attn, threads, isa);
+      break;
+    case KvDtype::Bf16:
+      decode_attention_bf16(q, heads, d, static_cast<const uint16_t*>(kv.k) + k0,
+                            static_cast<const uint16_t*>(kv.v) + v0, kv.k_head_stride, kv.v_head_stride, kv_heads,
+                            length, scale, attn, threads, isa);
+      break;
+    case KvDtype::I8:
+      decode_attention_i8(q, heads, d, static_cast<const int8_t*>(kv.k) + k0, static_cast<const int8_t*>(kv.v) + v0,
+                          kv.k_head_stride, kv.v_head_stride, kv.k_scale + s0, kv.v_scale + s0, kv.scale_head_stride,
+                          kv_heads, length, scale, attn, threads, isa);
+      break;
+  }
+}
+
 uint64_t attention_scratch_floats(const AttentionMixer& a) {
   const uint64_t q = static_cast<uint64_t>(a.heads) * a.head_dim, kv = static_cast<uint64_t>(a.kv_heads) * a.head_dim;
   return (a.output_gate ? 2 * q : q) + q /* gate */ + 2 * kv + q /* attention */;
@@ -187,23 +212,7 @@ void attention_step(const AttentionMixer& a, int hidden, float eps, const KvRun&
     store_row(kv.dtype, kv.v, vl + g * kv.v_head_stride + row, kv.v_scale, scale_at, v + static_cast<int64_t>(g) * d, d);
   }
   const int first = a.sliding_window > 0 ? std::max(0, pos + 1 - a.sliding_window) : 0;
-  const int length = pos + 1 - first;
-  const int64_t k0 = kl + static_cast<int64_t>(first) * d, v0 = vl + static_cast<int64_t>(first) * d;
-  switch (kv.dtype) {
-    case KvDtype::F32:
-      decode_attention(q, hq, d, static_cast<const float*>(kv.k) + k0, static_cast<const float*>(kv.v) + v0,
-                       kv.k_head_stride, kv.v_head_stride, hkv, length, a.scale, attn, threads, isa);
-      break;
-    case KvDtype::Bf16:
-      decode_attention_bf16(q, hq, d, static_cast<const uint16_t*>(kv.k) + k0, static_cast<const uint16_t*>(kv.v) + v0,
-                            kv.k_head_stride, kv.v_head_stride, hkv, length, a.scale, attn, threads, isa);
-      break;
-    case KvDtype::I8:
-      decode_attention_i8(q, hq, d, static_cast<const int8_t*>(kv.k) + k0, static_cast<const int8_t*>(kv.v) + v0,
-                          kv.k_head_stride, kv.v_head_stride, kv.k_scale + sl + first, kv.v_scale + sl + first,
-                          kv.scale_head_stride, hkv, length, a.scale, attn, threads, isa);
-      break;
-  }
+  attend_cache(kv, a.kv_layer, first, pos + 1 - first, q, hq, d, hkv, a.scale, attn, threads, isa);
   if (a.output_gate)
     for (int64_t i = 0; i < qn; ++i) attn[i] *= sigmoid(gate[i]);
   project(a.o, attn, out, threads, isa);
@@ -244,28 +253,11 @@ void latent_step(const LatentMixer& m, const KvRun& kv, const float* h, int pos,
     project(row_slice(m.uk_t, g * r, r), qg, query_g, 1, isa);
     std::memcpy(query_g + r, qg + m.nope_dim, sizeof(float) * m.rope_dim);
   }
-  // The latent row is key and value alike: one row of the cache, read as both.
-  const int64_t kl = m.kv_layer * kv.k_layer_stride, sl = m.kv_layer * kv.scale_layer_stride;
-  store_row(kv.dtype, kv.k, kl + static_cast<int64_t>(pos) * dl, kv.k_scale, sl + pos, lat, dl);
-  switch (kv.dtype) {
-    case KvDtype::F32: {
-      const float* c = static_cast<const float*>(kv.k) + kl;
-      decode_attention(query, H, dl, c, c, kv.k_head_stride, kv.k_head_stride, 1, pos + 1, m.scale, attn, threads, isa);
-      break;
-    }
-    case KvDtype::Bf16: {
-      const uint16_t* c = static_cast<const uint16_t*>(kv.k) + kl;
-      decode_attention_bf16(query, H, dl, c, c, kv.k_head_stride, kv.k_head_stride, 1, pos + 1, m.scale, attn, threads,
-                            isa);
-      break;
-    }
-    case KvDtype::I8: {
-      const int8_t* c = static_cast<const int8_t*>(kv.k) + kl;
-      decode_attention_i8(query, H, dl, c, c, kv.k_head_stride, kv.k_head_stride, kv.k_scale + sl, kv.k_scale + sl,
-                          kv.scale_head_stride, 1, pos + 1, m.scale, attn, threads, isa);
-      break;
-    }
-  }
+  // The latent row is key and value alike: a shared cache's V run is its K run (kv_cache.KVCache), so
+  // the row is stored once and attention reads it as both.
+  store_row(kv.dtype, kv.k, m.kv_layer * kv.k_layer_stride + static_cast<int64_t>(pos) * dl, kv.k_scale,
+            m.kv_layer * kv.scale_layer_stride + pos, lat, dl);
+  attend_cache(kv, m.kv_layer, 0, pos + 1, query, H, dl, 1, m.scale, attn, threads, isa);
 #pragma omp parallel for num_threads(std::min(threads, H)) schedule(static)
   for (int g = 0; g < H; ++g)
     project(row_slice(m.uv, g * m.v_dim, m.v_dim), attn + static_cast<int64_t>(g) * dl,
