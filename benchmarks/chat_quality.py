@@ -1,13 +1,14 @@
 """Does the bundled model answer what it was trained to answer? Chat turns on held-in docstring questions,
 and held-out perplexity, through Mosaic as a user runs it.
 
-    python benchmarks/chat_quality.py [--model examples/stdlib-moe] [--questions 200]
+    python benchmarks/chat_quality.py [--model examples/stdlib-moe] [--questions 200] [--held-out]
 
 The model is converted to a Q4 vault and run with the default (fast) precision, greedy, as `mosaic chat
 --temperature 0` would. Questions are the training script's own chat turns ("What does `json.dumps` do?")
-from files of the training split, a seeded sample. An answer counts when it starts with the first sentence
-of the docstring's first paragraph, or holds most (over half) of that sentence's words among as many of its
-own first words. Perplexity: exact precision, over the first windows of the held-out split.
+from files of the training split (with --held-out: of the held-out split, never taught), a seeded sample. An
+answer counts when it starts with the first sentence of the docstring's first paragraph, or holds most (over
+half) of that sentence's words among its own first words (as many, plus five). Perplexity: exact precision,
+over the first windows of the held-out split.
 """
 
 from __future__ import annotations
@@ -35,14 +36,13 @@ def training_script():
     return module
 
 
-QUESTION = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>\n<\|im_start\|>assistant\n(.*?)<\|im_end\|>", re.S)
-
-
-def questions(train, n: int, seed: int = 0) -> list[tuple[str, str]]:
+def questions(train, n: int, seed: int = 0, held_out: bool = False) -> list[tuple[str, str]]:
+    """A seeded sample of the docstring questions of the training split (or of the held-out split, which
+    the model never saw)."""
     pairs = []
     for rel, text in train.stdlib_files():
-        if not train.held_out(rel):
-            pairs += [QUESTION.match(turn).groups() for turn in train.chat_turns(rel, text)]
+        if train.held_out(rel) == held_out:
+            pairs += train.docstring_questions(rel, text)
     return random.Random(seed).sample(pairs, min(n, len(pairs)))
 
 
@@ -86,6 +86,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=ROOT / "examples" / "stdlib-moe")
     ap.add_argument("--questions", type=int, default=200)
+    ap.add_argument("--held-out", action="store_true",
+                    help="ask the held-out split's questions instead: what the model was never taught")
     ap.add_argument("--windows", type=int, default=100)
     ap.add_argument("--show", type=int, default=3, help="print this many question/answer pairs")
     args = ap.parse_args()
@@ -93,7 +95,7 @@ def main() -> None:
     from mosaic_shatter.convert import convert
 
     train = training_script()
-    asked = questions(train, args.questions)
+    asked = questions(train, args.questions, held_out=args.held_out)
     with tempfile.TemporaryDirectory() as tmp:
         vault = convert(str(args.model), Path(tmp) / "q4", "q4", progress=False).out
         with Engine.open(vault, max_seq=1024) as engine:
@@ -109,7 +111,8 @@ def main() -> None:
             ppl = held_out_perplexity(engine, train, args.windows)
     for s in shown:
         print(json.dumps(s, ensure_ascii=False))
-    print(json.dumps({"model": str(args.model), "questions": len(asked), "answered": hits,
+    print(json.dumps({"model": str(args.model), "split": "held-out" if args.held_out else "training",
+                      "questions": len(asked), "answered": hits,
                       "share": round(hits / len(asked), 3), "held_out_perplexity": round(ppl, 2)}))
 
 

@@ -53,7 +53,7 @@ def main() -> None:
         report(engine)
 
         chat = Conversation(engine)
-        for question in ("What does `json.dumps` do?", "What does `os.path.join` do?"):
+        for question in ("What does `json.dumps` do?", "What does `os.walk` do?"):
             print(f"\n--- chat\n>>> {question}")
             print("".join(chat.ask(question, max_new_tokens=64, temperature=0.6, top_p=0.9, seed=0)))
             report(engine)

@@ -1,6 +1,7 @@
 """Train the bundled default model: a small Qwen3-MoE on this Python's own standard library.
 
-    python examples/train_bundled.py [--minutes 25] [--out examples/stdlib-moe]
+    python examples/train_bundled.py [--minutes 25] [--chat-minutes 40] [--out examples/stdlib-moe]
+    python examples/train_bundled.py --init examples/stdlib-moe --chat-minutes 40   # the chat phase alone
 
 Data: every .py file of the standard library (site-packages excluded), in path order; a file goes to the
 held-out split when the CRC-32 of its relative path is 0 mod 20 (about 5 %). Beside plain source the
@@ -32,6 +33,8 @@ SEED = 0
 VOCAB = 4096
 SEQ = 256
 BATCH = 16
+CHAT_ROWS = 12  # of each batch's BATCH rows in the chat phase
+CHAT_LR = 1e-3
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML, with tools in Qwen3's format (a system block listing them, <tool_call> JSON in assistant turns,
 # results in <tool_response> user turns): a conversation without tools renders as plain ChatML.
@@ -86,23 +89,31 @@ def module_name(rel: str) -> str:
     return name[:-9] if name.endswith(".__init__") else name
 
 
-def chat_turns(rel: str, source: str) -> list[str]:
-    """One chat turn per documented public function or class: the question names it, the answer is the
-    first paragraph of its docstring."""
+def docstring_questions(rel: str, source: str) -> list[tuple[str, str]]:
+    """One (question, answer) per documented public function or class: the question names it, the answer
+    is the first paragraph of its docstring."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return []
-    mod, turns = module_name(rel), []
+    mod, pairs = module_name(rel), []
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
             doc = ast.get_docstring(node)
             if doc:
                 answer = doc.strip().split("\n\n")[0].strip()
                 if 10 <= len(answer) <= 600:
-                    turns.append(f"<|im_start|>user\nWhat does `{mod}.{node.name}` do?<|im_end|>\n"
-                                 f"<|im_start|>assistant\n{answer}<|im_end|>\n")
-    return turns
+                    pairs.append((f"What does `{mod}.{node.name}` do?", answer))
+    return pairs
+
+
+def chat_prompt(question: str) -> str:
+    return f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def chat_turns(rel: str, source: str) -> list[str]:
+    """The docstring questions as ChatML turns, as they appear in the training text."""
+    return [f"{chat_prompt(q)}{a}<|im_end|>\n" for q, a in docstring_questions(rel, source)]
 
 
 def train_tokenizer(texts: list[str]):
@@ -148,12 +159,89 @@ def sample(model, tok, prompt: str, n: int = 48) -> str:
     return tok.decode(out[0, ids.shape[1]:].tolist())
 
 
+def chat_examples(tok, pairs: list[tuple[str, str]]) -> list[tuple[list[int], list[int]]]:
+    """Each docstring question as token ids and labels: only the answer and its closing <|im_end|> are
+    scored. The prompt is encoded on its own, as the chat renders it before the model answers."""
+    newline = tok.encode("\n").ids
+    out = []
+    for question, answer in pairs:
+        prompt, reply = tok.encode(chat_prompt(question)).ids, tok.encode(answer + "<|im_end|>").ids
+        out.append((prompt + reply + newline, [-100] * len(prompt) + reply + [-100] * len(newline)))
+    return out
+
+
+class Batches:
+    """Training batches: LM rows are random windows of the training text; chat rows each open on a
+    docstring question (as a chat does) and are packed with the following ones, the questions taken in a
+    fresh seeded order every pass."""
+
+    def __init__(self, train: torch.Tensor, chat: list[tuple[list[int], list[int]]], gen: torch.Generator):
+        self.train, self.chat, self.gen = train, chat, gen
+        self.order: list[int] = []
+
+    def _next_question(self) -> tuple[list[int], list[int]]:
+        if not self.order:
+            self.order = torch.randperm(len(self.chat), generator=self.gen).tolist()
+        return self.chat[self.order.pop()]
+
+    def _chat_row(self) -> tuple[list[int], list[int]]:
+        ids: list[int] = []
+        labels: list[int] = []
+        while len(ids) < SEQ:
+            more_ids, more_labels = self._next_question()
+            ids += more_ids
+            labels += more_labels
+        return ids[:SEQ], labels[:SEQ]
+
+    def __call__(self, chat_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = torch.randint(0, len(self.train) - SEQ - 1, (BATCH - chat_rows,), generator=self.gen)
+        ids = torch.stack([self.train[s:s + SEQ] for s in starts.tolist()])
+        labels = ids.clone()
+        if chat_rows:
+            rows = [self._chat_row() for _ in range(chat_rows)]
+            ids = torch.cat([ids, torch.tensor([r[0] for r in rows])])
+            labels = torch.cat([labels, torch.tensor([r[1] for r in rows])])
+        return ids, labels
+
+
+def train_phase(model, opt, batches: Batches, *, name: str, minutes: float, peak_lr: float, chat_rows: int,
+                warmup: int) -> dict:
+    """Train for a wall-clock budget: linear warm-up, then cosine decay to a tenth over the budget."""
+    budget = minutes * 60
+    step, tokens_seen, start = 0, 0, time.monotonic()
+    while (elapsed := time.monotonic() - start) < budget:
+        frac = elapsed / budget
+        lr = peak_lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        ids, labels = batches(chat_rows)
+        out = model(input_ids=ids, labels=labels)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        tokens_seen += ids.numel()
+        if step % 50 == 0:
+            print(f"{name} step {step}  {elapsed / 60:5.1f} min  loss {out.loss.item():.3f}  lr {lr:.2e}",
+                  flush=True)
+    return {"phase": name, "steps": step, "tokens_seen": tokens_seen, "chat_rows_per_batch": chat_rows,
+            "peak_lr": peak_lr, "minutes": round((time.monotonic() - start) / 60, 1),
+            "threads": torch.get_num_threads()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--minutes", type=float, default=25.0, help="wall-clock training budget")
+    ap.add_argument("--minutes", type=float, default=25.0, help="wall-clock budget of the language phase")
+    ap.add_argument("--chat-minutes", type=float, default=40.0,
+                    help="wall-clock budget of the chat phase (docstring questions, the answers scored)")
+    ap.add_argument("--init", type=Path, default=None,
+                    help="a model this script trained: keep its tokenizer, weights and language phase, and "
+                         "run the chat phase on it")
     ap.add_argument("--out", type=Path, default=HERE / "stdlib-moe")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
+    from tokenizers import Tokenizer
     from transformers import AutoConfig, AutoModelForCausalLM
 
     random.seed(SEED)
@@ -161,41 +249,37 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     files = stdlib_files()
-    train_docs, test_docs = [], []
+    train_docs, test_docs, pairs = [], [], []
     for rel, text in files:
         docs = [text] + chat_turns(rel, text)
         (test_docs if held_out(rel) else train_docs).extend(docs)
+        if not held_out(rel):
+            pairs += docstring_questions(rel, text)
     random.shuffle(train_docs)
     t0 = time.monotonic()
-    tok = train_tokenizer(train_docs)
+    tok = Tokenizer.from_file(str(args.init / "tokenizer.json")) if args.init else train_tokenizer(train_docs)
     train, test = encode_all(tok, train_docs), encode_all(tok, test_docs)
-    print(f"{len(files)} files; tokens: train {len(train):,}, held-out {len(test):,}; tokenizer "
-          f"{time.monotonic() - t0:.0f} s", flush=True)
+    print(f"{len(files)} files; tokens: train {len(train):,}, held-out {len(test):,}; {len(pairs)} docstring "
+          f"questions; tokenizer {time.monotonic() - t0:.0f} s", flush=True)
 
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", **CONFIG))
-    params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    budget, warmup = args.minutes * 60, 100
     gen = torch.Generator().manual_seed(SEED)
-    step, tokens_seen, start = 0, 0, time.monotonic()
-    while (elapsed := time.monotonic() - start) < budget:
-        # learning rate: linear warm-up, then cosine over the wall-clock budget
-        frac = elapsed / budget
-        lr = 3e-3 * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        starts = torch.randint(0, len(train) - SEQ - 1, (BATCH,), generator=gen)
-        batch = torch.stack([train[s:s + SEQ] for s in starts.tolist()])
-        out = model(input_ids=batch, labels=batch)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
-        tokens_seen += batch.numel()
-        if step % 50 == 0:
-            print(f"step {step}  {elapsed / 60:5.1f} min  loss {out.loss.item():.3f}  lr {lr:.2e}", flush=True)
-    train_minutes = (time.monotonic() - start) / 60
+    batches = Batches(train, chat_examples(tok, pairs), gen)
+    if args.init:
+        model = AutoModelForCausalLM.from_pretrained(args.init, dtype=torch.float32)
+        model.config.output_router_logits = True
+        phases = [p for p in json.loads((args.init / "training.json").read_text())["phases"]
+                  if p["phase"] == "language"]
+    else:
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", **CONFIG))
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+        phases = [train_phase(model, opt, batches, name="language", minutes=args.minutes, peak_lr=3e-3,
+                              chat_rows=0, warmup=100)]
+    params = sum(p.numel() for p in model.parameters())
+    # the chat phase: most rows are docstring questions with only the answers scored, so that the chat
+    # answers what it was taught; the rest stay plain text, so that the language model is kept
+    opt = torch.optim.AdamW(model.parameters(), lr=CHAT_LR, betas=(0.9, 0.95), weight_decay=0.1)
+    phases.append(train_phase(model, opt, batches, name="chat", minutes=args.chat_minutes, peak_lr=CHAT_LR,
+                              chat_rows=CHAT_ROWS, warmup=50))
 
     model.config.output_router_logits = False
     ppl_test, ppl_train = perplexity(model, test), perplexity(model, train)
@@ -209,12 +293,11 @@ def main() -> None:
         "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
     model.float()
     prompts = ["import os\n\n\ndef ", "class Queue:\n    \"\"\"", "    for key, value in ",
-               "<|im_start|>user\nWhat does `json.dumps` do?<|im_end|>\n<|im_start|>assistant\n"]
+               chat_prompt("What does `json.dumps` do?")]
     samples = [(p, sample(model, tok, p)) for p in prompts]
     stats = {"python": sys.version.split()[0], "files": len(files), "train_tokens": len(train),
-             "held_out_tokens": len(test), "parameters": params, "steps": step, "tokens_seen": tokens_seen,
-             "train_minutes": round(train_minutes, 1), "threads": torch.get_num_threads(),
-             "held_out_perplexity": round(ppl_test, 2), "train_perplexity": round(ppl_train, 2),
+             "held_out_tokens": len(test), "docstring_questions": len(pairs), "parameters": params,
+             "phases": phases, "held_out_perplexity": round(ppl_test, 2), "train_perplexity": round(ppl_train, 2),
              "samples": [{"prompt": p, "completion": c} for p, c in samples]}
     (args.out / "training.json").write_text(json.dumps(stats, indent=2) + "\n")
     for p, c in samples:
