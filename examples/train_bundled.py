@@ -285,6 +285,9 @@ def main() -> None:
     ppl_test, ppl_train = perplexity(model, test), perplexity(model, train)
     print(f"held-out perplexity {ppl_test:.2f} (train {ppl_train:.2f}, chance {VOCAB})", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
+    # what a chat samples with unless it asks otherwise (the server reads it): at temperature 1 this small
+    # model's first token strays often enough to derail the answer
+    model.generation_config.update(do_sample=True, temperature=0.6, top_p=0.9)
     model.to(torch.bfloat16).save_pretrained(args.out)
     tok.save(str(args.out / "tokenizer.json"))
     (args.out / "tokenizer_config.json").write_text(json.dumps({

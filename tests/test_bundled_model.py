@@ -50,6 +50,8 @@ def test_checkpoint_is_a_small_complete_hf_directory():
     cfg = json.loads((MODEL / "config.json").read_text())
     assert cfg["model_type"] == "qwen3_moe" and cfg.get("num_experts", cfg.get("num_local_experts")) >= 16
     assert json.loads((MODEL / "tokenizer_config.json").read_text())["chat_template"]
+    sampling = json.loads((MODEL / "generation_config.json").read_text())  # what the server samples with
+    assert sampling["do_sample"] and sampling["temperature"] < 1 and sampling["top_p"] < 1
 
 
 @pytest.mark.parametrize("quant", ["q4", "fp8"])
