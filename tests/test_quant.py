@@ -1,5 +1,9 @@
 """Quantise/dequantise references: error bounds on odd shapes, against independent scalar references."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -115,16 +119,13 @@ def test_non_finite_weights_are_refused():
             raise AssertionError("nan accepted")
 
 
-@pytest.mark.parametrize("rows, cols, threads", [(1, 1, 1), (3, 31, 2), (17, 33, 3), (64, 96, 2), (257, 2048, 2),
-                                                 (5, 7168, 1)])
-@pytest.mark.parametrize("kind", ["gaussian", "heavy", "mixed-scale", "zeros-and-ties"])
-def test_native_q4_encoder_writes_the_reference_bytes(rows, cols, threads, kind):
-    """The native encoder (native/src/encode_q4.cpp) against the torch reference, byte for byte: odd
-    shapes, partial blocks, heavy tails, blocks mixing magnitudes 2^20 apart, all-zero blocks, exact ties
-    (weights on the half-steps of their scale) and values near f16's subnormal range."""
-    from mosaic_runtime.vault import quant
-    if quant._kernels is None:
-        pytest.skip("the native extension is not built")
+ENCODER_SHAPES = [(1, 1, 1), (3, 31, 2), (17, 33, 3), (64, 96, 2), (257, 2048, 2), (5, 7168, 1)]
+ENCODER_KINDS = ["gaussian", "heavy", "mixed-scale", "zeros-and-ties"]
+
+
+def encoder_weights(rows: int, cols: int, kind: str) -> torch.Tensor:
+    """Odd shapes, partial blocks, heavy tails, blocks mixing magnitudes 2^20 apart, all-zero blocks, exact
+    ties (weights on the half-steps of their scale) and values near f16's subnormal range."""
     g = torch.Generator().manual_seed(rows * 1000 + cols)
     w = torch.randn(rows, cols, generator=g) * 0.02
     if kind == "heavy":
@@ -135,9 +136,47 @@ def test_native_q4_encoder_writes_the_reference_bytes(rows, cols, threads, kind)
     elif kind == "zeros-and-ties":
         w = torch.randint(-16, 16, (rows, cols), generator=g).float() * 2 ** -20  # many exact halves and ties
         w[:, : cols // 3] = 0.0
+    return w
+
+
+@pytest.mark.parametrize("rows, cols, threads", ENCODER_SHAPES)
+@pytest.mark.parametrize("kind", ENCODER_KINDS)
+def test_native_q4_encoder_writes_the_reference_bytes(rows, cols, threads, kind):
+    """The native encoder (native/src/encode_q4*.cpp, this CPU's best path) against the torch reference,
+    byte for byte."""
+    from mosaic_runtime.vault import quant
+    if quant._kernels is None:
+        pytest.skip("the native extension is not built")
+    w = encoder_weights(rows, cols, kind)
     want = quant.quantize_q4_reference(w)
     got = quant.quantize_q4(w, threads=threads)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1].view(torch.int16), want[1].view(torch.int16))
+
+
+ENCODE_UNDER_ISA = """
+import sys, torch
+from mosaic_runtime.vault.quant import quantize_q4
+weights = torch.load(sys.argv[1])
+torch.save([quantize_q4(w, threads=2) for w in weights], sys.argv[2])
+"""
+
+
+def test_the_scalar_q4_encoder_writes_the_reference_bytes(tmp_path):
+    """The encoder's scalar path (where the CPU has a vector one, the test above holds that one), forced by
+    MOSAIC_ISA in a fresh process (the ISA is chosen once per process), on the same weights, as float32 and
+    as bf16: the reference's bytes."""
+    from mosaic_runtime.vault import quant
+    if quant._kernels is None:
+        pytest.skip("the native extension is not built")
+    weights = [encoder_weights(rows, cols, kind) for rows, cols, _ in ENCODER_SHAPES for kind in ENCODER_KINDS]
+    weights += [w.to(torch.bfloat16) for w in weights[-8:]]
+    torch.save(weights, tmp_path / "w.pt")
+    env = dict(os.environ, MOSAIC_ISA="scalar")
+    subprocess.run([sys.executable, "-c", ENCODE_UNDER_ISA, str(tmp_path / "w.pt"), str(tmp_path / "q.pt")],
+                   env=env, check=True)
+    for w, (codes, scales) in zip(weights, torch.load(tmp_path / "q.pt")):
+        want = quant.quantize_q4_reference(w.float())
+        assert torch.equal(codes, want[0]) and torch.equal(scales.view(torch.int16), want[1].view(torch.int16))
 
 
 def test_native_q4_encoder_refuses_what_the_reference_refuses():

@@ -3,13 +3,15 @@
 // a float32 weight is exact in float64), f16 conversions rounding to nearest even, the double -> f16 of the
 // refit scale through float as torch converts it. This file is compiled without FMA contraction
 // (CMakeLists.txt): a fused multiply-add would round the error terms differently from torch's separate
-// operations.
+// operations. Rows run through the scalar blocks here or the AVX-512 ones (encode_q4_avx512.cpp), chosen by
+// best_isa(); both write the same bytes (tests/test_quant.py holds each to the reference).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include <omp.h>
 
+#include "encode_q4_block.h"
 #include "mosaic/encode.h"
 #include "mosaic/kernels.h"
 
@@ -96,49 +98,69 @@ inline float widen(const uint16_t* row, int i) {
   return f;
 }
 
+// One block of 32 finite-or-not floats: its 16 code bytes and f16 scale.
+int encode_block(const float* block, uint8_t* codes, uint16_t* scale) {
+  float hi = block[0], lo = block[0];
+  bool finite = true;
+  for (int k = 0; k < kQ4; ++k) {
+    finite = finite && std::isfinite(block[k]);
+    hi = std::max(hi, block[k]);
+    lo = std::min(lo, block[k]);
+  }
+  if (!finite) return static_cast<int>(EncodeStatus::NotFinite);
+  const float extreme = -lo > hi ? lo : hi;  // the signed weight of largest magnitude
+  Fit f0, f1;
+  const uint16_t d0 = to_half(extreme / -8.f);
+  fit(block, d0, f0);
+  const uint16_t d1 = to_half(static_cast<float>(f0.qw / std::max(f0.qq, 1.0)));
+  fit(block, d1, f1);
+  const bool better = f1.err < f0.err;
+  const uint16_t d = better ? d1 : d0;
+  const float* q = better ? f1.q : f0.q;
+  for (int j = 0; j < kQ4 / 2; ++j)
+    codes[j] = static_cast<uint8_t>((static_cast<int>(q[j]) + 8) | ((static_cast<int>(q[j + kQ4 / 2]) + 8) << 4));
+  *scale = d;
+  return static_cast<int>((d & 0x7C00u) == 0x7C00u ? EncodeStatus::ScaleOverflow : EncodeStatus::Ok);
+}
+
+template <typename T>
+int encode_row(const T* row, int cols, uint8_t* codes, uint16_t* scales) {
+  int status = static_cast<int>(EncodeStatus::Ok);
+  float block[kQ4];
+  for (int b = 0, c0 = 0; c0 < cols; ++b, c0 += kQ4) {
+    const int len = std::min(kQ4, cols - c0);
+    for (int k = 0; k < len; ++k) block[k] = widen(row + c0, k);
+    std::fill(block + len, block + kQ4, 0.f);  // columns past the last whole block: zeros (code 8)
+    status = std::max(status, encode_block(block, codes + b * kQ4Bytes, scales + b));
+  }
+  return status;
+}
+
 template <typename T>
 EncodeStatus encode(const T* w, int64_t rows, int cols, uint8_t* codes, uint16_t* scales, int threads) {
   const int nb = (cols + kQ4 - 1) / kQ4;
+  const bool avx512 = best_isa() >= Isa::Avx512;
   int status = static_cast<int>(EncodeStatus::Ok);
 #pragma omp parallel for num_threads(threads) schedule(static) reduction(max : status)
   for (int64_t r = 0; r < rows; ++r) {
-    float block[kQ4];
-    Fit f0, f1;
-    for (int b = 0; b < nb; ++b) {
-      const int c0 = b * kQ4, len = std::min(kQ4, cols - c0);
-      const T* row = w + r * cols + c0;
-      for (int k = 0; k < len; ++k) block[k] = widen(row, k);
-      std::fill(block + len, block + kQ4, 0.f);
-      float hi = block[0], lo = block[0];
-      bool finite = true;
-      for (int k = 0; k < kQ4; ++k) {
-        finite = finite && std::isfinite(block[k]);
-        hi = std::max(hi, block[k]);
-        lo = std::min(lo, block[k]);
-      }
-      if (!finite) {
-        status = std::max(status, static_cast<int>(EncodeStatus::NotFinite));
-        continue;
-      }
-      const float extreme = -lo > hi ? lo : hi;  // the signed weight of largest magnitude
-      const uint16_t d0 = to_half(extreme / -8.f);
-      fit(block, d0, f0);
-      const uint16_t d1 = to_half(static_cast<float>(f0.qw / std::max(f0.qq, 1.0)));
-      fit(block, d1, f1);
-      const bool better = f1.err < f0.err;
-      const uint16_t d = better ? d1 : d0;
-      if ((d & 0x7C00u) == 0x7C00u) status = std::max(status, static_cast<int>(EncodeStatus::ScaleOverflow));
-      const float* q = better ? f1.q : f0.q;
-      uint8_t* out = codes + (r * nb + b) * kQ4Bytes;
-      for (int j = 0; j < kQ4 / 2; ++j)
-        out[j] = static_cast<uint8_t>((static_cast<int>(q[j]) + 8) | ((static_cast<int>(q[j + kQ4 / 2]) + 8) << 4));
-      scales[r * nb + b] = d;
-    }
+    const T* row = w + r * cols;
+    uint8_t* row_codes = codes + r * nb * kQ4Bytes;
+    uint16_t* row_scales = scales + r * nb;
+    status = std::max(status, avx512 ? detail::encode_q4_row_avx512(row, cols, row_codes, row_scales)
+                                     : detail::encode_q4_row_scalar(row, cols, row_codes, row_scales));
   }
   return static_cast<EncodeStatus>(status);
 }
 
 }  // namespace
+
+int detail::encode_q4_row_scalar(const float* row, int cols, uint8_t* codes, uint16_t* scales) {
+  return encode_row(row, cols, codes, scales);
+}
+
+int detail::encode_q4_row_scalar(const uint16_t* row, int cols, uint8_t* codes, uint16_t* scales) {
+  return encode_row(row, cols, codes, scales);
+}
 
 EncodeStatus encode_q4(const float* w, int64_t rows, int cols, uint8_t* codes, uint16_t* scales, int threads) {
   return encode(w, rows, cols, codes, scales, threads);
