@@ -161,17 +161,21 @@ torch.save([quantize_q4(w, threads=2) for w in weights], sys.argv[2])
 """
 
 
-def test_the_scalar_q4_encoder_writes_the_reference_bytes(tmp_path):
-    """The encoder's scalar path (where the CPU has a vector one, the test above holds that one), forced by
-    MOSAIC_ISA in a fresh process (the ISA is chosen once per process), on the same weights, as float32 and
-    as bf16: the reference's bytes."""
+@pytest.mark.parametrize("isa", ["scalar", "avx2"])
+def test_each_isa_path_of_the_q4_encoder_writes_the_reference_bytes(tmp_path, isa):
+    """The encoder's paths below this CPU's best (the test above holds that one), forced by MOSAIC_ISA in a
+    fresh process (the ISA is chosen once per process), on the same weights, as float32 and as bf16: the
+    reference's bytes."""
     from mosaic_runtime.vault import quant
     if quant._kernels is None:
         pytest.skip("the native extension is not built")
+    from mosaic_runtime import _native
+    if not _native.kernels.isa_available(getattr(_native.kernels, isa.upper())):
+        pytest.skip(f"this CPU has no {isa}")
     weights = [encoder_weights(rows, cols, kind) for rows, cols, _ in ENCODER_SHAPES for kind in ENCODER_KINDS]
     weights += [w.to(torch.bfloat16) for w in weights[-8:]]
     torch.save(weights, tmp_path / "w.pt")
-    env = dict(os.environ, MOSAIC_ISA="scalar")
+    env = dict(os.environ, MOSAIC_ISA=isa)
     subprocess.run([sys.executable, "-c", ENCODE_UNDER_ISA, str(tmp_path / "w.pt"), str(tmp_path / "q.pt")],
                    env=env, check=True)
     for w, (codes, scales) in zip(weights, torch.load(tmp_path / "q.pt")):

@@ -209,7 +209,7 @@ MOSAIC_AVX512 void task_avx512(const float* q, int rep, int d, const T* k, const
 
 // AVX2: head_dim a multiple of 8. Keys outer and the group's query heads inner, so each key or value row
 // is read from memory once and from L1 by the other heads; scores, then the softmax, then the values.
-#define MOSAIC_AVX2 __attribute__((target("avx2,fma,f16c")))
+#include "simd_avx2.h"
 
 MOSAIC_AVX2 inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
 MOSAIC_AVX2 inline __m256 widen8(const uint16_t* p) {

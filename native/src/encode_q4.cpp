@@ -3,8 +3,9 @@
 // a float32 weight is exact in float64), f16 conversions rounding to nearest even, the double -> f16 of the
 // refit scale through float as torch converts it. This file is compiled without FMA contraction
 // (CMakeLists.txt): a fused multiply-add would round the error terms differently from torch's separate
-// operations. Rows run through the scalar blocks here or the AVX-512 ones (encode_q4_avx512.cpp), chosen by
-// best_isa(); both write the same bytes (tests/test_quant.py holds each to the reference).
+// operations. Rows run through the scalar blocks here or the AVX2 or AVX-512 ones (encode_q4_avx2.cpp,
+// encode_q4_avx512.cpp), chosen by best_isa(); all write the same bytes (tests/test_quant.py holds each to
+// the reference).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -139,15 +140,17 @@ int encode_row(const T* row, int cols, uint8_t* codes, uint16_t* scales) {
 template <typename T>
 EncodeStatus encode(const T* w, int64_t rows, int cols, uint8_t* codes, uint16_t* scales, int threads) {
   const int nb = (cols + kQ4 - 1) / kQ4;
-  const bool avx512 = best_isa() >= Isa::Avx512;
+  const Isa isa = best_isa();
   int status = static_cast<int>(EncodeStatus::Ok);
 #pragma omp parallel for num_threads(threads) schedule(static) reduction(max : status)
   for (int64_t r = 0; r < rows; ++r) {
     const T* row = w + r * cols;
     uint8_t* row_codes = codes + r * nb * kQ4Bytes;
     uint16_t* row_scales = scales + r * nb;
-    status = std::max(status, avx512 ? detail::encode_q4_row_avx512(row, cols, row_codes, row_scales)
-                                     : detail::encode_q4_row_scalar(row, cols, row_codes, row_scales));
+    const int row_status = isa == Isa::Avx512 ? detail::encode_q4_row_avx512(row, cols, row_codes, row_scales)
+                           : isa == Isa::Avx2 ? detail::encode_q4_row_avx2(row, cols, row_codes, row_scales)
+                                              : detail::encode_q4_row_scalar(row, cols, row_codes, row_scales);
+    status = std::max(status, row_status);
   }
   return static_cast<EncodeStatus>(status);
 }

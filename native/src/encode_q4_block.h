@@ -1,4 +1,5 @@
-// One row of the Q4_G32 encoder, the unit its ISA paths share (encode_q4.cpp, encode_q4_avx512.cpp).
+// One row of the Q4_G32 encoder, the unit its ISA paths share (encode_q4.cpp, encode_q4_avx2.cpp,
+// encode_q4_avx512.cpp).
 #pragma once
 
 #include <cstdint>
@@ -11,6 +12,8 @@ namespace mosaic::detail {
 // order does not matter.
 int encode_q4_row_scalar(const float* row, int cols, uint8_t* codes, uint16_t* scales);
 int encode_q4_row_scalar(const uint16_t* row, int cols, uint8_t* codes, uint16_t* scales);
+int encode_q4_row_avx2(const float* row, int cols, uint8_t* codes, uint16_t* scales);
+int encode_q4_row_avx2(const uint16_t* row, int cols, uint8_t* codes, uint16_t* scales);
 int encode_q4_row_avx512(const float* row, int cols, uint8_t* codes, uint16_t* scales);
 int encode_q4_row_avx512(const uint16_t* row, int cols, uint8_t* codes, uint16_t* scales);
 

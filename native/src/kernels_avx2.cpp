@@ -9,7 +9,7 @@
 
 #include "mosaic/kernels.h"
 
-#define MOSAIC_AVX2 __attribute__((target("avx2,fma,f16c")))
+#include "simd_avx2.h"
 
 namespace mosaic {
 namespace {

@@ -47,7 +47,7 @@ MOSAIC_AVX512 void row_avx512(const uint8_t* w, int cols, const float* x, int ld
                                                             _mm512_add_ps(acc[t][2], acc[t][3])));
 }
 
-#define MOSAIC_AVX2 __attribute__((target("avx2,fma,f16c")))
+#include "simd_avx2.h"
 
 // 8 codes widened to float, as widen_i8 / e4m3x16 do at 16.
 MOSAIC_AVX2 inline __m256 widen8_avx2(const uint8_t* p, bool fp8) {
