@@ -251,9 +251,10 @@ def main() -> None:
     files = stdlib_files()
     train_docs, test_docs, pairs = [], [], []
     for rel, text in files:
-        docs = [text] + chat_turns(rel, text)
-        (test_docs if held_out(rel) else train_docs).extend(docs)
-        if not held_out(rel):
+        if held_out(rel):
+            test_docs += [text] + chat_turns(rel, text)
+        else:
+            train_docs += [text] + chat_turns(rel, text)
             pairs += docstring_questions(rel, text)
     random.shuffle(train_docs)
     t0 = time.monotonic()
