@@ -93,7 +93,7 @@ def test_answers_the_docstring_questions_it_was_taught(vaults):
     """As `mosaic chat --temperature 0` answers, from the Q4 vault at the fast default: a seeded sample of
     the training split's docstring questions, counted as benchmarks/chat_quality.py counts them."""
     trained_on = json.loads((MODEL / "training.json").read_text())["python"]
-    if trained_on.split(".")[:2] != platform.python_version_tuple()[:2]:
+    if tuple(trained_on.split(".")[:2]) != platform.python_version_tuple()[:2]:
         pytest.skip(f"the questions come from this Python's standard library; the model learned {trained_on}'s")
     quality = _chat_quality()
     asked = quality.questions(quality.training_script(), 20, seed=1)
