@@ -2,6 +2,8 @@
 
 import errno
 from dataclasses import replace
+import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -11,7 +13,7 @@ import time
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from builders import flip_byte, tiny_qwen3_moe
 from mosaic_runtime.vault import Reason, VaultError, open_vault
@@ -269,3 +271,22 @@ def test_two_converts_to_one_output_do_not_mix(slow_ckpt, tmp_path):
     finally:
         proc.wait(timeout=120)
     assert proc.returncode == 0 and open_vault(tmp_path / "out").verify() == []
+
+
+def test_lineage_names_every_source_file_by_its_sha256(tmp_path):
+    """A checkpoint in three shards: the lineage gives each source file's size and SHA-256."""
+    ckpt = tiny_qwen3_moe(tmp_path / "ckpt", seed=5)
+    tensors = load_file(ckpt / "model.safetensors")
+    names = sorted(tensors)
+    shards = {f"model-{i + 1:05d}-of-00003.safetensors": names[i::3] for i in range(3)}
+    for shard, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, ckpt / shard, metadata={"format": "pt"})
+    (ckpt / "model.safetensors").unlink()
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: shard for shard, keys in shards.items() for k in keys}}))
+    with open_vault(convert(str(ckpt), tmp_path / "q4", "q4", progress=False).out) as v:
+        files = {f["name"]: f for f in v.lineage["files"]}
+    assert set(shards) | {"config.json"} <= set(files)
+    for name, f in files.items():
+        data = (ckpt / name).read_bytes()
+        assert (f["bytes"], f["sha256"]) == (len(data), hashlib.sha256(data).hexdigest()), name
