@@ -99,7 +99,7 @@ inline float widen(const uint16_t* row, int i) {
   return f;
 }
 
-// One block of 32 finite-or-not floats: its 16 code bytes and f16 scale.
+// One block of 32 floats: its 16 code bytes and f16 scale, or NotFinite (nothing written).
 int encode_block(const float* block, uint8_t* codes, uint16_t* scale) {
   float hi = block[0], lo = block[0];
   bool finite = true;
