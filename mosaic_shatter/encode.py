@@ -35,8 +35,8 @@ def encode_expert(ckpt: Checkpoint, sources: dict[str, ProjectionSource], layout
             weight = int4_source.dequantize(weight, ckpt.read(src.scale))
         elif src.scale is not None:
             weight = dequantize_fp8(weight, ckpt.read(src.scale))
-        # one thread a projection: convert runs experts on several workers already; bf16 goes to the Q4
-        # encoder as stored
-        planes[proj] = quantize_q4(weight, threads=1) if layout.quant is QuantType.Q4_G32 \
-            else quantize_fp8(weight.float())
+        # one thread a projection: convert runs experts on several workers already; bf16 goes to the
+        # encoders as stored
+        quantize = quantize_q4 if layout.quant is QuantType.Q4_G32 else quantize_fp8
+        planes[proj] = quantize(weight, threads=1)
     return pack_record(layout, planes)

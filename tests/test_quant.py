@@ -183,6 +183,39 @@ def test_each_isa_path_of_the_q4_encoder_writes_the_reference_bytes(tmp_path, is
         assert torch.equal(codes, want[0]) and torch.equal(scales.view(torch.int16), want[1].view(torch.int16))
 
 
+@pytest.mark.parametrize("rows, cols, threads", ENCODER_SHAPES + [(129, 257, 2), (300, 1000, 2)])
+@pytest.mark.parametrize("kind", ENCODER_KINDS)
+def test_native_fp8_encoder_writes_the_reference_bytes(rows, cols, threads, kind):
+    """The native FP8 encoder (native/src/encode_fp8.cpp) against the torch reference, byte for byte, on
+    float32 and on bf16 weights: partial tiles, heavy tails, mixed magnitudes, all-zero tiles."""
+    from mosaic_runtime.vault import quant
+    if quant._kernels is None:
+        pytest.skip("the native extension is not built")
+    w = encoder_weights(rows, cols, kind)
+    for given, exact in ((w, w), (w.to(torch.bfloat16), w.to(torch.bfloat16).float())):
+        got, want = quant.quantize_fp8(given, threads=threads), quant.quantize_fp8_reference(exact)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_native_fp8_rounding_is_torchs_on_every_kind_of_value():
+    """Tiles whose amax is 448 (scale 1), so the codes are the rounding itself: random float32 bit patterns
+    across [-448, 448] (normal, subnormal and zero in E4M3), every E4M3 value, and every midpoint between
+    neighbours (ties go to the even code)."""
+    from mosaic_runtime.vault import quant
+    if quant._kernels is None:
+        pytest.skip("the native extension is not built")
+    bits = torch.randint(0, 2 ** 31, (400_000,), generator=torch.Generator().manual_seed(0), dtype=torch.int64)
+    x = bits.to(torch.int32).view(torch.float32)
+    grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[torch.isfinite(grid)].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    x = torch.cat([x[torch.isfinite(x) & (x.abs() <= 448)], grid, mids, -mids])
+    tiles = x[: len(x) // 127 * 127].view(-1, 127)
+    tiles = torch.cat([torch.full((len(tiles), 1), 448.0), tiles], 1)  # amax 448 in every tile
+    got, want = quant.quantize_fp8(tiles), quant.quantize_fp8_reference(tiles)
+    assert (got[1] == 1).all() and torch.equal(got[0], want[0])
+
+
 def test_native_q4_encoder_refuses_what_the_reference_refuses():
     from mosaic_runtime.vault import quant
     w = torch.ones(4, 64)

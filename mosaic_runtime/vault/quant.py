@@ -131,7 +131,21 @@ def _untile(tiles: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return tiles.reshape(rb * FP8_BLOCK, cb * FP8_BLOCK)[:rows, :cols]
 
 
-def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8(w: torch.Tensor, threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8_B128 (quantize_fp8_reference's bytes) through the native encoder where the extension is built, on
+    `threads` threads (default: every core); else the reference itself."""
+    if _kernels is None:
+        return quantize_fp8_reference(w)
+    rows, cols = w.shape
+    codes = torch.empty(rows, cols, dtype=torch.uint8)
+    scales = torch.empty(-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK), dtype=torch.float32)
+    src = w.contiguous().view(torch.uint16) if w.dtype == torch.bfloat16 else w.float().contiguous()
+    if _kernels.encode_fp8(threads or os.cpu_count() or 1, src.numpy(), codes.numpy(), scales.numpy()):
+        raise ValueError(_ENCODE_ERRORS[1])
+    return codes, scales
+
+
+def quantize_fp8_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8_B128: w ~= e4m3(q) * s, s = amax(tile) / 448 in f32 (1.0 for an all-zero tile).
 
     Returns:

@@ -238,6 +238,24 @@ void init_kernels(nb::module_& m) {
                          codes.data(), scales.data(), threads);
     return static_cast<int>(status);
   });
+  k.def("encode_fp8", [](int threads, nb::ndarray<nb::ndim<2>, nb::c_contig, nb::device::cpu> w,
+                         nb::ndarray<uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> codes,
+                         nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> scales) {
+    // FP8_B128 of w [rows, cols] (float32, or bf16 as its uint16 bit patterns) into E4M3FN codes
+    // [rows, cols] and float32 tile scales [ceil(rows/128), ceil(cols/128)]; 0 when every weight was finite.
+    const size_t rows = w.shape(0), cols = w.shape(1);
+    check(codes.shape(0) == rows && codes.shape(1) == cols && scales.shape(0) == (rows + 127) / 128 &&
+              scales.shape(1) == (cols + 127) / 128, "encode_fp8: shapes");
+    const bool bf16 = w.dtype() == nb::dtype<uint16_t>();
+    check(bf16 || w.dtype() == nb::dtype<float>(), "encode_fp8: weights are float32 or bf16 bits (uint16)");
+    nb::gil_scoped_release release;
+    const EncodeStatus status =
+        bf16 ? encode_fp8_bf16(static_cast<const uint16_t*>(w.data()), static_cast<int64_t>(rows),
+                               static_cast<int>(cols), codes.data(), scales.data(), threads)
+             : encode_fp8(static_cast<const float*>(w.data()), static_cast<int64_t>(rows), static_cast<int>(cols),
+                          codes.data(), scales.data(), threads);
+    return static_cast<int>(status);
+  });
   k.def("stream_read", [](Bytes data, int threads) {
     nb::gil_scoped_release release;
     return stream_read(data.data(), data.shape(0), threads);

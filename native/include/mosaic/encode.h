@@ -20,4 +20,13 @@ EncodeStatus encode_q4(const float* w, int64_t rows, int cols, uint8_t* codes, u
 EncodeStatus encode_q4_bf16(const uint16_t* w, int64_t rows, int cols, uint8_t* codes, uint16_t* scales,
                             int threads);
 
+// FP8_B128 of w [rows, cols] (float32, row-major): E4M3FN codes [rows, cols] and float32 scales
+// [ceil(rows/128), ceil(cols/128)], one per 128 x 128 tile: amax / 448 (1 for an all-zero tile), each weight
+// divided by its tile's scale, clamped to +-448, rounded to nearest with ties to even. NotFinite: a weight is
+// inf or nan (its tile's codes and scale are not written).
+EncodeStatus encode_fp8(const float* w, int64_t rows, int cols, uint8_t* codes, float* scales, int threads);
+// The same of bf16 weights (their bit patterns).
+EncodeStatus encode_fp8_bf16(const uint16_t* w, int64_t rows, int cols, uint8_t* codes, float* scales,
+                             int threads);
+
 }  // namespace mosaic
