@@ -140,8 +140,9 @@ def quantize_fp8(w: torch.Tensor, threads: int | None = None) -> tuple[torch.Ten
     codes = torch.empty(rows, cols, dtype=torch.uint8)
     scales = torch.empty(-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK), dtype=torch.float32)
     src = w.contiguous().view(torch.uint16) if w.dtype == torch.bfloat16 else w.float().contiguous()
-    if _kernels.encode_fp8(threads or os.cpu_count() or 1, src.numpy(), codes.numpy(), scales.numpy()):
-        raise ValueError(_ENCODE_ERRORS[1])
+    status = _kernels.encode_fp8(threads or os.cpu_count() or 1, src.numpy(), codes.numpy(), scales.numpy())
+    if status:
+        raise ValueError(_ENCODE_ERRORS[status])
     return codes, scales
 
 
