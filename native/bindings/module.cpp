@@ -83,6 +83,15 @@ void check(bool ok, const std::string& what) {
   if (!ok) throw nb::value_error(what.c_str());
 }
 
+using Weights2d = nb::ndarray<nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+
+// An encoder's weights: float32, or bf16 as their uint16 bit patterns.
+EncodeInput encode_input(const Weights2d& w, const char* encoder) {
+  const bool bf16 = w.dtype() == nb::dtype<uint16_t>();
+  check(bf16 || w.dtype() == nb::dtype<float>(), std::string(encoder) + ": weights are float32 or bf16 bits (uint16)");
+  return {w.data(), bf16, static_cast<int64_t>(w.shape(0)), static_cast<int>(w.shape(1))};
+}
+
 RecordLayout layout_of(uint32_t quant, uint32_t scale_dtype, uint32_t hidden, uint32_t intermediate) {
   return record_layout(QuantType(quant), ScaleDtype(scale_dtype), hidden, intermediate);
 }
@@ -219,42 +228,29 @@ void init_kernels(nb::module_& m) {
     linear_q4(codes.data(), scales.data(), static_cast<int>(codes.shape(0)), static_cast<int>(cols), x.data(),
               static_cast<int>(x.shape(0)), y.data(), threads, Isa(isa));
   });
-  k.def("encode_q4", [](int threads, nb::ndarray<nb::ndim<2>, nb::c_contig, nb::device::cpu> w,
-                        nb::ndarray<uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> codes,
+  k.def("encode_q4", [](int threads, Weights2d w, nb::ndarray<uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> codes,
                         nb::ndarray<uint16_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> scales) {
-    // Q4_G32 of w [rows, cols] (float32, or bf16 as its uint16 bit patterns) into codes
-    // [rows, ceil(cols/32)*16] and f16 scales (as uint16); 0 when every weight was finite and every scale
-    // fits f16 (encode.h's EncodeStatus otherwise).
-    const size_t rows = w.shape(0), cols = w.shape(1), blocks = (cols + 31) / 32;
-    check(codes.shape(0) == rows && codes.shape(1) == blocks * 16 && scales.shape(0) == rows &&
-              scales.shape(1) == blocks, "encode_q4: shapes");
-    const bool bf16 = w.dtype() == nb::dtype<uint16_t>();
-    check(bf16 || w.dtype() == nb::dtype<float>(), "encode_q4: weights are float32 or bf16 bits (uint16)");
+    // Q4_G32 of w into codes [rows, ceil(cols/32)*16] and f16 scales (as uint16); 0 when every weight was
+    // finite and every scale fits f16 (encode.h's EncodeStatus otherwise).
+    const EncodeInput in = encode_input(w, "encode_q4");
+    const int64_t blocks = (in.cols + 31) / 32;
+    check(static_cast<int64_t>(codes.shape(0)) == in.rows && static_cast<int64_t>(codes.shape(1)) == blocks * 16 &&
+              static_cast<int64_t>(scales.shape(0)) == in.rows && static_cast<int64_t>(scales.shape(1)) == blocks,
+          "encode_q4: shapes");
     nb::gil_scoped_release release;
-    const EncodeStatus status =
-        bf16 ? encode_q4_bf16(static_cast<const uint16_t*>(w.data()), static_cast<int64_t>(rows),
-                              static_cast<int>(cols), codes.data(), scales.data(), threads)
-             : encode_q4(static_cast<const float*>(w.data()), static_cast<int64_t>(rows), static_cast<int>(cols),
-                         codes.data(), scales.data(), threads);
-    return static_cast<int>(status);
+    return static_cast<int>(encode_q4(in, codes.data(), scales.data(), threads));
   });
-  k.def("encode_fp8", [](int threads, nb::ndarray<nb::ndim<2>, nb::c_contig, nb::device::cpu> w,
-                         nb::ndarray<uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> codes,
+  k.def("encode_fp8", [](int threads, Weights2d w, nb::ndarray<uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> codes,
                          nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> scales) {
-    // FP8_B128 of w [rows, cols] (float32, or bf16 as its uint16 bit patterns) into E4M3FN codes
-    // [rows, cols] and float32 tile scales [ceil(rows/128), ceil(cols/128)]; 0 when every weight was finite.
-    const size_t rows = w.shape(0), cols = w.shape(1);
-    check(codes.shape(0) == rows && codes.shape(1) == cols && scales.shape(0) == (rows + 127) / 128 &&
-              scales.shape(1) == (cols + 127) / 128, "encode_fp8: shapes");
-    const bool bf16 = w.dtype() == nb::dtype<uint16_t>();
-    check(bf16 || w.dtype() == nb::dtype<float>(), "encode_fp8: weights are float32 or bf16 bits (uint16)");
+    // FP8_B128 of w into E4M3FN codes [rows, cols] and float32 tile scales [ceil(rows/128), ceil(cols/128)];
+    // 0 when every weight was finite.
+    const EncodeInput in = encode_input(w, "encode_fp8");
+    check(static_cast<int64_t>(codes.shape(0)) == in.rows && static_cast<int64_t>(codes.shape(1)) == in.cols &&
+              static_cast<int64_t>(scales.shape(0)) == (in.rows + 127) / 128 &&
+              static_cast<int64_t>(scales.shape(1)) == (in.cols + 127) / 128,
+          "encode_fp8: shapes");
     nb::gil_scoped_release release;
-    const EncodeStatus status =
-        bf16 ? encode_fp8_bf16(static_cast<const uint16_t*>(w.data()), static_cast<int64_t>(rows),
-                               static_cast<int>(cols), codes.data(), scales.data(), threads)
-             : encode_fp8(static_cast<const float*>(w.data()), static_cast<int64_t>(rows), static_cast<int>(cols),
-                          codes.data(), scales.data(), threads);
-    return static_cast<int>(status);
+    return static_cast<int>(encode_fp8(in, codes.data(), scales.data(), threads));
   });
   k.def("stream_read", [](Bytes data, int threads) {
     nb::gil_scoped_release release;

@@ -9,6 +9,7 @@
 #include <omp.h>
 
 #include "mosaic/encode.h"
+#include "mosaic/kernels.h"
 
 namespace mosaic {
 namespace {
@@ -47,7 +48,7 @@ inline uint8_t to_e4m3fn(float f) {
 }
 
 inline float widen(const float* row, int i) { return row[i]; }
-inline float widen(const uint16_t* row, int i) { return float_of(static_cast<uint32_t>(row[i]) << 16); }
+inline float widen(const uint16_t* row, int i) { return bf16_to_f32(row[i]); }
 
 template <typename T>
 EncodeStatus encode(const T* w, int64_t rows, int cols, uint8_t* codes, float* scales, int threads) {
@@ -86,13 +87,9 @@ EncodeStatus encode(const T* w, int64_t rows, int cols, uint8_t* codes, float* s
 
 }  // namespace
 
-EncodeStatus encode_fp8(const float* w, int64_t rows, int cols, uint8_t* codes, float* scales, int threads) {
-  return encode(w, rows, cols, codes, scales, threads);
-}
-
-EncodeStatus encode_fp8_bf16(const uint16_t* w, int64_t rows, int cols, uint8_t* codes, float* scales,
-                             int threads) {
-  return encode(w, rows, cols, codes, scales, threads);
+EncodeStatus encode_fp8(EncodeInput w, uint8_t* codes, float* scales, int threads) {
+  return w.bf16 ? encode(static_cast<const uint16_t*>(w.data), w.rows, w.cols, codes, scales, threads)
+                : encode(static_cast<const float*>(w.data), w.rows, w.cols, codes, scales, threads);
 }
 
 }  // namespace mosaic

@@ -92,12 +92,7 @@ void fit(const float* w, uint16_t d, Fit& f) {
 
 // Element i of a row as float32: as it is, or widened from bf16 bits (exact).
 inline float widen(const float* row, int i) { return row[i]; }
-inline float widen(const uint16_t* row, int i) {
-  const uint32_t u = static_cast<uint32_t>(row[i]) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+inline float widen(const uint16_t* row, int i) { return bf16_to_f32(row[i]); }
 
 // One block of 32 floats: its 16 code bytes and f16 scale, or NotFinite (nothing written).
 int encode_block(const float* block, uint8_t* codes, uint16_t* scale) {
@@ -165,13 +160,9 @@ int detail::encode_q4_row_scalar(const uint16_t* row, int cols, uint8_t* codes, 
   return encode_row(row, cols, codes, scales);
 }
 
-EncodeStatus encode_q4(const float* w, int64_t rows, int cols, uint8_t* codes, uint16_t* scales, int threads) {
-  return encode(w, rows, cols, codes, scales, threads);
-}
-
-EncodeStatus encode_q4_bf16(const uint16_t* w, int64_t rows, int cols, uint8_t* codes, uint16_t* scales,
-                            int threads) {
-  return encode(w, rows, cols, codes, scales, threads);
+EncodeStatus encode_q4(EncodeInput w, uint8_t* codes, uint16_t* scales, int threads) {
+  return w.bf16 ? encode(static_cast<const uint16_t*>(w.data), w.rows, w.cols, codes, scales, threads)
+                : encode(static_cast<const float*>(w.data), w.rows, w.cols, codes, scales, threads);
 }
 
 }  // namespace mosaic

@@ -19,13 +19,6 @@ float f16_to_f32(uint16_t h) {
   return v;
 }
 
-float bf16_to_f32(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float v;
-  std::memcpy(&v, &bits, 4);
-  return v;
-}
-
 float e4m3_to_f32(uint8_t b) {  // E4M3FN: bias 7, no infinities
   const int exp = (b >> 3) & 0xF, mant = b & 0x7;
   float v = exp == 0 ? std::ldexp(static_cast<float>(mant), -9) : std::ldexp(static_cast<float>(8 + mant), exp - 10);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "mosaic/vault_format.h"
 
@@ -133,7 +134,12 @@ double stream_read(const uint8_t* data, uint64_t n, int threads);
 
 // Scalar helpers shared by every ISA.
 float f16_to_f32(uint16_t h);
-float bf16_to_f32(uint16_t h);
+inline float bf16_to_f32(uint16_t h) {  // exact: bf16 is float32's upper half
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
 float e4m3_to_f32(uint8_t b);
 inline float scale_at(const void* scales, ScaleDtype d, uint64_t i) {
   switch (d) {
