@@ -21,6 +21,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mosaic_runtime import _native  # noqa: E402
+from mosaic_runtime.experts import expert_format  # noqa: E402
+from mosaic_runtime.recipe import ExpertActivation  # noqa: E402
 from mosaic_runtime.vault.format import PROJECTIONS, QuantType, ScaleDtype, projection_shape, record_layout  # noqa: E402
 from mosaic_runtime.vault.quant import quantize_fp8, quantize_q4  # noqa: E402
 from mosaic_runtime.vault.record import pack_record  # noqa: E402
@@ -50,14 +52,13 @@ def time_kernel(layout, pool, threads: int, calls: int, isa: int) -> float:
     y = np.zeros_like(x)
     tokens = [np.zeros(1, np.int32)] * TOP_K
     weights = [np.full(1, 1.0 / TOP_K, np.float32)] * TOP_K
-    scratch = np.zeros(K.scratch_floats(int(layout.quant), int(layout.scale_dtype), hidden, layout.intermediate,
-                                        TOP_K, 1, threads), np.float32)
+    fmt = expert_format(layout, ExpertActivation())
+    scratch = np.zeros(K.scratch_floats(fmt, TOP_K, 1, threads), np.float32)
     n = pool.shape[0]
     t = time.perf_counter()
     for c in range(calls):
         recs = [pool[(c * TOP_K + j) % n] for j in range(TOP_K)]
-        K.moe_experts(isa, threads, int(layout.quant), int(layout.scale_dtype), hidden, layout.intermediate,
-                      recs, tokens, weights, x, y, scratch)
+        K.moe_experts(isa, threads, fmt, recs, tokens, weights, x, y, scratch)
     return (time.perf_counter() - t) / calls
 
 

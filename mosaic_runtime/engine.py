@@ -234,7 +234,7 @@ class Engine:
         threads = threads or os.cpu_count() or 1
         notice = (lambda msg: print(msg, file=sys.stderr)) if verbose else None
         if kernel == "torch":
-            store, experts = None, TorchExperts(vault.dequantize_expert)
+            store, experts = None, TorchExperts(vault.dequantize_expert, recipe.expert_activation, vault.expert_biases)
         elif kernel in ("native", "native-int8"):
             isa = None
             if kernel == "native-int8":
@@ -249,7 +249,7 @@ class Engine:
                                                                                                    kv_torch_dtype)
             store = ExpertStore(vault, ring_slots(vault, ram_budget, resident, memory), io or DEFAULT_IO,
                                 notice=notice)
-            experts = NativeExperts(store, threads, isa)
+            experts = NativeExperts(store, threads, isa, recipe.expert_activation)
         else:
             raise ValueError(f"kernel must be 'native', 'native-int8' or 'torch', not {kernel!r}")
         if dev is not None:

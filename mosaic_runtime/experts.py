@@ -14,8 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from . import _native
+from .recipe import Activation, ExpertActivation
+from .vault.format import RecordLayout
 
 ExpertWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # gate [I, H], up [I, H], down [H, I]
+ExpertBiases = dict[str, torch.Tensor]  # projection -> float32 [rows]
 
 
 class ExpertExecutor:
@@ -48,22 +51,41 @@ class ExpertExecutor:
         """Account the experts the native step ran itself for `layers` (topk_ids[layer] each)."""
 
 
-def expert_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate x) * up x) for x [n, H]: the torch reference of the native kernels."""
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+def expert_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+               act: ExpertActivation = ExpertActivation(), biases: ExpertBiases | None = None) -> torch.Tensor:
+    """down(act(gate x, up x)) for x [n, H], each projection with its bias when given: the torch reference
+    of the native kernels."""
+    b = biases or {}
+    g, u = F.linear(x, gate, b.get("gate")), F.linear(x, up, b.get("up"))
+    if act.kind is Activation.SILU:
+        h = F.silu(g) * u
+    else:
+        g = g.clamp(max=act.limit)
+        h = (u.clamp(-act.limit, act.limit) + 1) * (g * torch.sigmoid(g * act.alpha))
+    return F.linear(h, down, b.get("down"))
+
+
+def expert_format(layout: RecordLayout, act: ExpertActivation):
+    """The native kernels' description of a vault's experts (_native.kernels.ExpertFormat)."""
+    k = _native.kernels
+    return k.ExpertFormat(int(layout.quant), int(layout.scale_dtype), layout.hidden, layout.intermediate,
+                          bias=layout.bias, activation=k.SILU if act.kind is Activation.SILU else k.CLAMPED_SWIGLU,
+                          alpha=act.alpha, limit=act.limit)
 
 
 class TorchExperts(ExpertExecutor):
-    """Runs experts with torch ops on float32 weights supplied by `fetch(layer, expert)`."""
+    """Runs experts with torch ops on float32 weights supplied by `fetch(layer, expert)` (and their biases
+    by `biases(layer, expert)`, where the vault has them)."""
 
-    def __init__(self, fetch: Callable[[int, int], ExpertWeights]):
-        self.fetch = fetch
+    def __init__(self, fetch: Callable[[int, int], ExpertWeights], act: ExpertActivation = ExpertActivation(),
+                 biases: Callable[[int, int], ExpertBiases | None] = lambda layer, expert: None):
+        self.fetch, self.act, self.biases = fetch, act, biases
 
     def __call__(self, layer, x, topk_weights, topk_ids):
         y = torch.zeros_like(x)
         for e in torch.unique(topk_ids).tolist():  # ascending
             tokens, slot = torch.where(topk_ids == e)
-            out = expert_ffn(x[tokens], *self.fetch(layer, e))
+            out = expert_ffn(x[tokens], *self.fetch(layer, e), self.act, self.biases(layer, e))
             y.index_add_(0, tokens, out * topk_weights[tokens, slot, None].to(x.dtype))
         return y
 
@@ -76,9 +98,10 @@ class NativeExperts(ExpertExecutor):
     The kernel's scratch is allocated once for decode (one token) and grown at most once per larger prefill.
     """
 
-    def __init__(self, store, threads: int, isa: int | None = None):
+    def __init__(self, store, threads: int, isa: int | None = None, act: ExpertActivation = ExpertActivation()):
         self._k = _native.kernels
         self.store, self.layout, self.threads = store, store.vault.layout, threads
+        self.act, self.format = act, expert_format(self.layout, act)
         self.kernel_s = 0.0  # time inside the native call, for engine.stats
         self.isa = self._k.best_isa() if isa is None else isa
         self._scratch = np.zeros(0, np.float32)
@@ -95,9 +118,7 @@ class NativeExperts(ExpertExecutor):
     def _scratch_for(self, total: int, max_n: int):
         need = self._need.get((total, max_n))
         if need is None:
-            need = self._need[(total, max_n)] = self._k.scratch_floats(
-                int(self.layout.quant), int(self.layout.scale_dtype), self.layout.hidden, self.layout.intermediate,
-                total, max_n, self.threads)
+            need = self._need[(total, max_n)] = self._k.scratch_floats(self.format, total, max_n, self.threads)
         if self._scratch.shape[0] < need:
             self._scratch = np.zeros(need, np.float32)
         return self._scratch
@@ -138,9 +159,8 @@ class NativeExperts(ExpertExecutor):
             return
         self.store.read_ahead(layer, slots)
         failed, _, total_s = self._k.moe_experts_ring(
-            self.isa, self.threads, int(self.layout.quant), int(self.layout.scale_dtype), self.layout.hidden,
-            self.layout.intermediate, self.store.ring.native, np.asarray(slots, np.int32), counts, tokens, weights,
-            xs, y, self._scratch_for(k, 1))
+            self.isa, self.threads, self.format, self.store.ring.native, np.asarray(slots, np.int32), counts, tokens,
+            weights, xs, y, self._scratch_for(k, 1))
         self.kernel_s += total_s
         if failed >= 0:
             raise RuntimeError(f"layer {layer}: expert {experts[failed]}'s slot held no record")
@@ -154,9 +174,7 @@ class NativeExperts(ExpertExecutor):
         if self._loop is None or self._loop_top_k < top_k:
             self._loop_top_k = top_k
             self._loop = _native.decode.LoopExperts(
-                isa=self.isa, threads=self.threads, quant=int(self.layout.quant),
-                scale_dtype=int(self.layout.scale_dtype), hidden=self.layout.hidden,
-                intermediate=self.layout.intermediate, top_k=top_k, ring=self.store.ring.native,
+                isa=self.isa, threads=self.threads, format=self.format, top_k=top_k, ring=self.store.ring.native,
                 slot_of=self.store.slot_table, scratch=self._scratch_for(top_k, 1).copy())
         return self._loop
 
@@ -197,9 +215,8 @@ class NativeExperts(ExpertExecutor):
                 self.store.read_ahead(layer, slots)
             # A failed read voids the call (y untouched).
             failed, wait_s, total_s = self._k.moe_experts_ring(
-                self.isa, self.threads, int(self.layout.quant), int(self.layout.scale_dtype), self.layout.hidden,
-                self.layout.intermediate, self.store.ring.native, np.asarray(slots, np.int32), counts, tokens,
-                weights, xs, y, scratch)
+                self.isa, self.threads, self.format, self.store.ring.native, np.asarray(slots, np.int32), counts,
+                tokens, weights, xs, y, scratch)
             self.kernel_s += total_s - wait_s
             self.store.finish(slots, wait_s)  # raises VaultError for a failed read
             if failed >= 0:  # the kernel saw a slot with no record: a bookkeeping bug, never a result

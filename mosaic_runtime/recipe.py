@@ -28,6 +28,20 @@ class Scoring(str, Enum):
     SIGMOID = "sigmoid"
 
 
+class Activation(str, Enum):
+    SILU = "silu"  # silu(gate) * up
+    CLAMPED_SWIGLU = "clamped_swiglu"  # gpt-oss: (clamp(up, +-limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit)
+
+
+@dataclass(frozen=True)
+class ExpertActivation:
+    """How a routed expert joins its gate and up projections."""
+
+    kind: Activation = Activation.SILU
+    alpha: float = 1.0
+    limit: float = 0.0
+
+
 class TopkMethod(str, Enum):
     GREEDY = "greedy"  # top-k over all experts
     GROUP_LIMITED = "group_limited_greedy"  # DeepSeek-V2: groups ranked by their best score
@@ -65,6 +79,7 @@ class Attention:
     sliding_window: int | None  # attend to the last `sliding_window` positions (this one included)
     clip_qkv: float | None  # q, k, v clamped to +-clip_qkv after their norms
     rope: Rope
+    sinks: bool = False  # a learned logit per query head joins each softmax's denominator (gpt-oss)
 
     @property
     def scale(self) -> float:
@@ -130,6 +145,7 @@ class Router:
     topk_group: int
     scaling: float  # routed_scaling_factor, times the final weights
     score_bias: bool  # e_score_correction_bias: added to the scores to choose, not to weigh
+    logit_bias: bool = False  # the router is a Linear with a bias (gpt-oss)
 
 
 @dataclass(frozen=True)
@@ -157,6 +173,7 @@ class ModelRecipe:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     layers: tuple[LayerRecipe, ...]
+    expert_activation: ExpertActivation = ExpertActivation()
 
     @property
     def attention_layers(self) -> list[int]:
@@ -230,8 +247,10 @@ def read_recipe(arch: dict) -> ModelRecipe:
     a = ArchReader(arch)
     for key in INFORMATIONAL:
         a.get(key)
-    if a.get("hidden_act", "silu") != "silu":
-        raise NotImplementedError(f"hidden_act {arch['hidden_act']!r} is not supported (only silu)")
+    activation = _enum(Activation, a.get("hidden_act", "silu"), "hidden_act")
+    expert_activation = ExpertActivation(activation)
+    if activation is Activation.CLAMPED_SWIGLU:
+        expert_activation = ExpertActivation(activation, float(a["swiglu_alpha"]), float(a["swiglu_limit"]))
     n = a["num_hidden_layers"]
     kinds, types = a["layer_kinds"], a.get("layer_types") or ["full_attention"] * n
     if len(kinds) != n or len(types) != n:
@@ -249,7 +268,7 @@ def read_recipe(arch: dict) -> ModelRecipe:
         heads=a["num_attention_heads"], kv_heads=a["num_key_value_heads"], head_dim=head_dim,
         qk_norm=_qk_norm(a.get("qk_norm", False)), qkv_bias=bool(a.get("attention_bias")),
         o_bias=bool(a.get("attention_out_bias")), output_gate=bool(a.get("attn_output_gate")),
-        clip_qkv=a.get("clip_qkv"),
+        clip_qkv=a.get("clip_qkv"), sinks=bool(a.get("attention_sinks")),
         rope=Rope(float(rope["theta"]), rot_dim, rope_kind, rope.get("scaling"), a.get("max_position_embeddings", 0)))
     if attention["heads"] % attention["kv_heads"]:
         raise NotImplementedError(f"{attention['heads']} query heads do not share {attention['kv_heads']} KV heads evenly")
@@ -265,7 +284,7 @@ def read_recipe(arch: dict) -> ModelRecipe:
         experts=a["num_experts"], top_k=a["num_experts_per_tok"], scoring=_enum(Scoring, a["scoring_func"], "scoring_func"),
         norm_topk_prob=bool(a["norm_topk_prob"]), method=_enum(TopkMethod, a.get("topk_method", "greedy"), "topk_method"),
         n_group=a.get("n_group", 1), topk_group=a.get("topk_group", 1), scaling=float(a.get("routed_scaling_factor", 1.0)),
-        score_bias=bool(a.get("router_score_bias")))
+        score_bias=bool(a.get("router_score_bias")), logit_bias=bool(a.get("router_bias")))
     if router.experts % router.n_group or router.topk_group > router.n_group:
         raise NotImplementedError(f"{router.experts} experts in {router.n_group} groups, top {router.topk_group} groups")
     if router.top_k > 64:
@@ -301,7 +320,7 @@ def read_recipe(arch: dict) -> ModelRecipe:
     recipe = ModelRecipe(
         model_type=a["model_type"], hidden=a["hidden_size"], vocab=a["vocab_size"], eps=float(a["rms_norm_eps"]),
         norm_offset=float(a.get("norm_offset", 0.0)), tie_word_embeddings=bool(a["tie_word_embeddings"]),
-        eos_token_ids=tuple(a.get("eos_token_ids") or ()), layers=tuple(layers))
+        eos_token_ids=tuple(a.get("eos_token_ids") or ()), layers=tuple(layers), expert_activation=expert_activation)
     a.check_all_read()
     return recipe
 
@@ -309,8 +328,8 @@ def read_recipe(arch: dict) -> ModelRecipe:
 def _latent_attention(mla: dict, attention: dict) -> LatentAttention:
     """The latent-attention block; its rope is the attention's, rotating the rope_dim values. The softmax
     scale follows DeepSeek: under a scaled RoPE with mscale_all_dim, times mscale(factor, mscale_all_dim)^2."""
-    if attention["qkv_bias"] or attention["o_bias"]:
-        raise NotImplementedError("latent attention with projection biases is not supported")
+    if attention["qkv_bias"] or attention["o_bias"] or attention["sinks"]:
+        raise NotImplementedError("latent attention with projection biases or attention sinks is not supported")
     nope, rope_dim = int(mla["qk_nope_head_dim"]), int(mla["qk_rope_head_dim"])
     if rope_dim % 2 or rope_dim <= 0:
         raise NotImplementedError(f"a rotary width of {rope_dim} is not supported")

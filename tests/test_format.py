@@ -11,11 +11,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mosaic_runtime.vault import Reason, VaultError, open_vault
-from mosaic_runtime.vault.format import (BACKBONE_FILE, HEADER_SIZE, INDEX_ENTRY_SIZE, PAGE_SIZE, VAULT_FILE,
-                                         IndexEntry, QuantType, ScaleDtype, VaultHeader, crc32, encode_meta,
-                                         pack_index, plan_header, record_layout)
-from mosaic_runtime.vault.quant import quantize_fp8, quantize_q4
-from mosaic_runtime.vault.record import pack_record
+from mosaic_runtime.vault.format import (BACKBONE_FILE, FLAG_EXPERT_BIAS, HEADER_SIZE, INDEX_ENTRY_SIZE, PAGE_SIZE,
+                                         REQUIRED_SCALE_DTYPE, VAULT_FILE, IndexEntry, QuantType, ScaleDtype,
+                                         VaultHeader, crc32, encode_meta, pack_index, plan_header, record_layout)
+from mosaic_runtime.vault.quant import quantize_fp8, quantize_mxfp4, quantize_q4
+from mosaic_runtime.vault.record import pack_record, record_biases
 from mosaic_shatter.write_vault import VaultWriter
 
 HIDDEN, INTER = 40, 24  # odd on purpose: partial Q4 blocks and partial FP8 tiles
@@ -36,18 +36,22 @@ def exact_weights(rows, cols, seed):
     return (((i * 37 + seed * 11) % 29 - 14) / 16).reshape(rows, cols).float()
 
 
+QUANTIZE = {QuantType.Q4_G32: quantize_q4, QuantType.FP8_B128: quantize_fp8, QuantType.MXFP4_G32: quantize_mxfp4}
+
+
 def expert_record(layout, seed):
-    quantize = quantize_q4 if layout.quant is QuantType.Q4_G32 else quantize_fp8
     shapes = {"gate": (INTER, HIDDEN), "up": (INTER, HIDDEN), "down": (HIDDEN, INTER)}
-    return pack_record(layout, {p: quantize(exact_weights(*s, 3 * seed + k))
-                                for k, (p, s) in enumerate(shapes.items())})
+    biases = {p: exact_weights(1, s[0], 5 * seed + k)[0] for k, (p, s) in enumerate(shapes.items())} \
+        if layout.bias else None
+    return pack_record(layout, {p: QUANTIZE[layout.quant](exact_weights(*s, 3 * seed + k))
+                                for k, (p, s) in enumerate(shapes.items())}, biases)
 
 
-def build_two_expert_vault(directory, quant=QuantType.Q4_G32, order=(0, 1)):
+def build_two_expert_vault(directory, quant=QuantType.Q4_G32, order=(0, 1), bias=False):
     directory.mkdir(parents=True, exist_ok=True)
-    scale = ScaleDtype.F16 if quant is QuantType.Q4_G32 else ScaleDtype.F32
+    scale = REQUIRED_SCALE_DTYPE.get(quant, ScaleDtype.F32)
     arch, lineage = encode_meta(ARCH), encode_meta(LINEAGE)
-    header = plan_header(quant, scale, 1, 2, HIDDEN, INTER, 2, len(arch), len(lineage))
+    header = plan_header(quant, scale, 1, 2, HIDDEN, INTER, 2, len(arch), len(lineage), bias)
     writer = VaultWriter(directory / VAULT_FILE, header, [(0, 0), (0, 1)])
     for i in order:
         writer.write_record(i, expert_record(header.layout, seed=i))
@@ -59,10 +63,16 @@ def build_two_expert_vault(directory, quant=QuantType.Q4_G32, order=(0, 1)):
 # --- golden bytes -------------------------------------------------------------------------------
 # The fixed header, field by field as vault_format.md §3 tabulates it, and the whole file.
 GOLDEN_HEADER_HEX = (
-    "4d4f53414943560001000200800000000040000001000000010000000100000002000000280000001800000002000000"
+    "4d4f53414943560001000300800000000040000001000000010000000100000002000000280000001800000002000000"
     "00400000000000008000000000000000d4010000000000005402000000000000af000000000000000803000000000000"
-    "4000000000000000004000000000000000c00000000000006baf3a060a48de05")
-GOLDEN_FILE_SHA256 = "006786cfe3b74033cc98d129be01e54383d56b44f9736d1afa35d96371bd35b5"
+    "4000000000000000004000000000000000c00000000000006baf3a066263d97b")
+GOLDEN_FILE_SHA256 = "0b33b6b77e312e3e7f6dbc8038992839cccc52f473f58786aa12bf5b72cc61c8"
+# The same two experts as MXFP4_G32 (quant_type 3, scale_dtype 4 = E8M0) with expert biases (flags 1).
+GOLDEN_MXFP4_HEADER_HEX = (
+    "4d4f53414943560001000300800000000040000003000000040000000100000002000000280000001800000002000000"
+    "00400000010000008000000000000000d4010000000000005402000000000000af000000000000000803000000000000"
+    "4000000000000000004000000000000000c0000000000000e740871a207965f4")
+GOLDEN_MXFP4_FILE_SHA256 = "5ec6c3fbf2b9be83e81824a4d5a816ad628601a92d7f65381c3fe1a92f8868d6"
 
 
 def test_golden_bytes_of_a_two_expert_vault(tmp_path):
@@ -75,6 +85,17 @@ def test_golden_bytes_of_a_two_expert_vault(tmp_path):
     assert hashlib.sha256(raw).hexdigest() == GOLDEN_FILE_SHA256
 
 
+def test_golden_bytes_of_an_mxfp4_vault_with_expert_biases(tmp_path):
+    path = build_two_expert_vault(tmp_path / "a", QuantType.MXFP4_G32, bias=True)
+    raw = path.read_bytes()
+    header = VaultHeader.unpack(raw)
+    assert (header.quant, header.scale_dtype, header.flags) == (QuantType.MXFP4_G32, ScaleDtype.E8M0, FLAG_EXPERT_BIAS)
+    assert raw[:HEADER_SIZE].hex() == GOLDEN_MXFP4_HEADER_HEX
+    assert hashlib.sha256(raw).hexdigest() == GOLDEN_MXFP4_FILE_SHA256
+    with open_vault(path.parent) as v:  # the biases come back as written, after the weights
+        assert torch.equal(record_biases(v.layout, v.read_record(0, 1))["down"], exact_weights(1, HIDDEN, 7)[0])
+
+
 def test_record_write_order_does_not_change_the_bytes(tmp_path):
     a = build_two_expert_vault(tmp_path / "a", order=(0, 1)).read_bytes()
     b = build_two_expert_vault(tmp_path / "b", order=(1, 0)).read_bytes()
@@ -82,17 +103,18 @@ def test_record_write_order_does_not_change_the_bytes(tmp_path):
 
 
 # --- round trips --------------------------------------------------------------------------------
-@given(quant=st.sampled_from([QuantType.Q4_G32, QuantType.FP8_B128]), layers=st.integers(1, 64),
+@given(quant=st.sampled_from(list(QuantType)), layers=st.integers(1, 64),
        experts=st.integers(1, 512), hidden=st.integers(1, 8192), inter=st.integers(1, 8192),
-       arch_len=st.integers(2, 5000), lin_len=st.integers(2, 5000), f32=st.booleans())
-def test_header_pack_unpack_round_trip(quant, layers, experts, hidden, inter, arch_len, lin_len, f32):
-    scale = ScaleDtype.F16 if quant is QuantType.Q4_G32 else (ScaleDtype.F32 if f32 else ScaleDtype.BF16)
+       arch_len=st.integers(2, 5000), lin_len=st.integers(2, 5000), f32=st.booleans(), bias=st.booleans())
+def test_header_pack_unpack_round_trip(quant, layers, experts, hidden, inter, arch_len, lin_len, f32, bias):
+    scale = REQUIRED_SCALE_DTYPE.get(quant, ScaleDtype.F32 if f32 else ScaleDtype.BF16)
     records = layers * experts
-    h = plan_header(quant, scale, layers, experts, hidden, inter, records, arch_len, lin_len)
+    h = plan_header(quant, scale, layers, experts, hidden, inter, records, arch_len, lin_len, bias)
     h = dataclasses.replace(h, meta_crc32=crc32(b"x" * (arch_len % 7)))
     assert VaultHeader.unpack(h.pack()) == h
     assert h.data_offset % PAGE_SIZE == 0 and h.record_bytes % PAGE_SIZE == 0
-    layout = record_layout(quant, scale, hidden, inter)
+    layout = record_layout(quant, scale, hidden, inter, bias)
+    assert layout == h.layout
     assert all(p.offset % 64 == 0 for p in layout.planes)
     assert layout.payload_bytes <= layout.record_bytes < layout.payload_bytes + PAGE_SIZE
 
@@ -171,7 +193,8 @@ def test_flipped_header_byte(vault):
 
 @pytest.mark.parametrize("field,value", [("num_experts", 2**31), ("num_layers", 0), ("hidden", 2**24),
                                          ("record_bytes", PAGE_SIZE * 7), ("page_size", 4096),
-                                         ("flags", 1), ("data_offset", PAGE_SIZE + 512), ("arch_offset", 0)])
+                                         ("flags", 2), ("data_offset", PAGE_SIZE + 512), ("arch_offset", 0),
+                                         ("scale_dtype", int(ScaleDtype.E8M0))])
 def test_header_field_out_of_bounds(vault, field, value):
     rewrite(vault, header={field: value})
     e = reject(vault, Reason.BAD_HEADER)

@@ -11,10 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mosaic_runtime import _native
-from mosaic_runtime.experts import expert_ffn
-from mosaic_runtime.vault.format import PROJECTIONS, QuantType, ScaleDtype, projection_shape, record_layout
-from mosaic_runtime.vault.quant import dequantize_fp8, dequantize_q4, quantize_fp8, quantize_q4
-from mosaic_runtime.vault.record import dequantize_record, pack_record
+from mosaic_runtime.experts import expert_ffn, expert_format
+from mosaic_runtime.recipe import Activation, ExpertActivation
+from mosaic_runtime.vault.format import (PROJECTIONS, REQUIRED_SCALE_DTYPE, QuantType, ScaleDtype, projection_shape,
+                                         record_layout)
+from mosaic_runtime.vault.quant import (dequantize_fp8, dequantize_mxfp4, dequantize_q4, quantize_fp8, quantize_mxfp4,
+                                        quantize_q4)
+from mosaic_runtime.vault.record import dequantize_record, pack_record, record_biases
 
 K = _native.kernels
 ISAS = [isa for isa in (K.SCALAR, K.AVX2, K.AVX512) if isa <= K.best_isa()]
@@ -31,6 +34,9 @@ def quantised(quant, rows, cols, seed, scale_dtype=torch.float32):
     if quant is QuantType.Q4_G32:
         codes, scales = quantize_q4(w)
         return codes, scales, ScaleDtype.F16, dequantize_q4(codes, scales, cols)
+    if quant is QuantType.MXFP4_G32:
+        codes, scales = quantize_mxfp4(w)
+        return codes, scales, ScaleDtype.E8M0, dequantize_mxfp4(codes, scales, cols)
     codes, scales = quantize_fp8(w)
     scales = scales.to(scale_dtype)
     return codes, scales, ScaleDtype.BF16 if scale_dtype == torch.bfloat16 else ScaleDtype.F32, \
@@ -38,7 +44,7 @@ def quantised(quant, rows, cols, seed, scale_dtype=torch.float32):
 
 
 @settings(max_examples=30, deadline=None)
-@given(quant=st.sampled_from([QuantType.Q4_G32, QuantType.FP8_B128]), rows=st.integers(1, 140),
+@given(quant=st.sampled_from(list(QuantType)), rows=st.integers(1, 140),
        cols=st.integers(1, 300), n=st.integers(1, 6), isa=st.sampled_from(ISAS), bf16=st.booleans(),
        seed=st.integers(0, 1000))
 def test_matvec_matches_dequantised_torch(quant, rows, cols, n, isa, bf16, seed):
@@ -65,29 +71,40 @@ def test_fp8_subnormals_and_signs_decode_exactly():
         assert torch.equal(torch.from_numpy(y)[:, 0], want[0]), K.isa_name(isa)
 
 
+QUANTIZE = {QuantType.Q4_G32: quantize_q4, QuantType.FP8_B128: quantize_fp8, QuantType.MXFP4_G32: quantize_mxfp4}
+
+
 def random_record(layout, seed):
     g = torch.Generator().manual_seed(seed)
-    quantize = quantize_q4 if layout.quant is QuantType.Q4_G32 else quantize_fp8
-    planes = {p: quantize(torch.randn(*projection_shape(p, layout.hidden, layout.intermediate), generator=g) * 0.2)
-              for p in PROJECTIONS}
-    return np.frombuffer(bytes(pack_record(layout, planes)), np.uint8)
+    shapes = {p: projection_shape(p, layout.hidden, layout.intermediate) for p in PROJECTIONS}
+    planes = {p: QUANTIZE[layout.quant](torch.randn(*shapes[p], generator=g) * 0.2) for p in PROJECTIONS}
+    biases = {p: torch.randn(shapes[p][0], generator=g) for p in PROJECTIONS} if layout.bias else None
+    return np.frombuffer(bytes(pack_record(layout, planes, biases)), np.uint8)
 
 
-def run_moe(layout, records, tokens, weights, x, isa, threads):
+def run_moe(layout, records, tokens, weights, x, isa, threads, act=ExpertActivation()):
     y = np.zeros_like(x)
     total, max_n = sum(len(t) for t in tokens), max(len(t) for t in tokens)
-    scratch = np.zeros(K.scratch_floats(int(layout.quant), int(layout.scale_dtype), layout.hidden,
-                                        layout.intermediate, total, max_n, threads), np.float32)
-    K.moe_experts(isa, threads, int(layout.quant), int(layout.scale_dtype), layout.hidden, layout.intermediate,
-                  records, tokens, weights, x, y, scratch)
+    fmt = expert_format(layout, act)
+    scratch = np.zeros(K.scratch_floats(fmt, total, max_n, threads), np.float32)
+    K.moe_experts(isa, threads, fmt, records, tokens, weights, x, y, scratch)
     return y
 
 
-@pytest.mark.parametrize("quant", [QuantType.Q4_G32, QuantType.FP8_B128])
+def scale_dtype_for(quant: QuantType) -> ScaleDtype:
+    return REQUIRED_SCALE_DTYPE.get(quant, ScaleDtype.F32)
+
+
+# gpt-oss's experts: biases on every projection and the clamped SwiGLU; a limit the random activations cross
+GPT_OSS = (True, ExpertActivation(Activation.CLAMPED_SWIGLU, 1.702, 0.5))
+
+
+@pytest.mark.parametrize("quant", list(QuantType))
 @pytest.mark.parametrize("tokens_n", [1, 7])
-def test_moe_experts_match_torch_and_ignore_thread_count(quant, tokens_n):
-    hidden, inter = 200, 72  # partial Q4 blocks and FP8 tiles
-    layout = record_layout(quant, ScaleDtype.F16 if quant is QuantType.Q4_G32 else ScaleDtype.F32, hidden, inter)
+@pytest.mark.parametrize("bias, act", [(False, ExpertActivation()), GPT_OSS], ids=["silu", "bias-clamped-swiglu"])
+def test_moe_experts_match_torch_and_ignore_thread_count(quant, tokens_n, bias, act):
+    hidden, inter = 200, 72  # partial Q4 and MXFP4 blocks and FP8 tiles
+    layout = record_layout(quant, scale_dtype_for(quant), hidden, inter, bias)
     records = [random_record(layout, s) for s in range(4)]
     g = torch.Generator().manual_seed(7)
     x = torch.randn(tokens_n, hidden, generator=g)
@@ -96,11 +113,13 @@ def test_moe_experts_match_torch_and_ignore_thread_count(quant, tokens_n):
     ref = torch.zeros(tokens_n, hidden, dtype=torch.float64)
     for rec, tok, w in zip(records, tokens, weights):
         gate, up, down = (m.double() for m in dequantize_record(layout, rec.tobytes()))
+        biases = record_biases(layout, rec.tobytes())
+        biases = {p: b.double() for p, b in biases.items()} if biases else None
         ref[torch.from_numpy(tok).long()] += torch.from_numpy(w).double()[:, None] * expert_ffn(
-            x.double()[torch.from_numpy(tok).long()], gate, up, down)
+            x.double()[torch.from_numpy(tok).long()], gate, up, down, act, biases)
     for isa in ISAS:
-        one = run_moe(layout, records, tokens, weights, x.numpy(), isa, 1)
-        two = run_moe(layout, records, tokens, weights, x.numpy(), isa, 2)
+        one = run_moe(layout, records, tokens, weights, x.numpy(), isa, 1, act)
+        two = run_moe(layout, records, tokens, weights, x.numpy(), isa, 2, act)
         assert np.array_equal(one, two), K.isa_name(isa)  # bit-identical whatever the threads
         assert np.allclose(one, ref.numpy(), rtol=1e-4, atol=1e-4 * ref.abs().max().item()), K.isa_name(isa)
 

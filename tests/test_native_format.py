@@ -9,7 +9,8 @@ from mosaic_runtime import _native
 from mosaic_runtime.vault import format as fmt
 
 CONSTANTS = ("VAULT_MAGIC", "VERSION_MAJOR", "VERSION_MINOR", "HEADER_SIZE", "PAGE_SIZE", "PLANE_ALIGN",
-             "INDEX_ENTRY_SIZE", "Q4_BLOCK", "Q4_BLOCK_BYTES", "Q4_ZERO", "FP8_BLOCK")
+             "INDEX_ENTRY_SIZE", "Q4_BLOCK", "Q4_BLOCK_BYTES", "Q4_ZERO", "FP8_BLOCK", "MXFP4_BLOCK",
+             "MXFP4_BLOCK_BYTES", "E8M0_BIAS", "FLAG_EXPERT_BIAS")
 
 
 def test_constants_match():
@@ -37,12 +38,11 @@ def test_header_fields_match_the_python_struct():
     assert fields[-1][0] == "header_crc32" and fields[-1][1] == 124
 
 
-@given(quant=st.sampled_from(list(fmt.QuantType)), scale=st.sampled_from(list(fmt.ScaleDtype)),
+@given(quant=st.sampled_from(list(fmt.QuantType)), bf16=st.booleans(), bias=st.booleans(),
        hidden=st.integers(1, 20000), inter=st.integers(1, 20000))
-def test_record_layout_matches(quant, scale, hidden, inter):
-    if quant is fmt.QuantType.Q4_G32:
-        scale = fmt.ScaleDtype.F16
-    py = fmt.record_layout(quant, scale, hidden, inter)
-    planes, payload, record = _native.format.record_layout(int(quant), int(scale), hidden, inter)
+def test_record_layout_matches(quant, bf16, bias, hidden, inter):
+    scale = fmt.REQUIRED_SCALE_DTYPE.get(quant, fmt.ScaleDtype.BF16 if bf16 else fmt.ScaleDtype.F32)
+    py = fmt.record_layout(quant, scale, hidden, inter, bias)
+    planes, payload, record = _native.format.record_layout(int(quant), int(scale), hidden, inter, bias)
     assert (payload, record) == (py.payload_bytes, py.record_bytes)
     assert planes == [(p.projection, p.kind, p.offset, p.nbytes, *p.shape) for p in py.planes]

@@ -10,6 +10,8 @@ import pytest
 
 from mosaic_runtime import _native
 from mosaic_runtime.cache.ring import Ring, SlotState
+from mosaic_runtime.experts import expert_format
+from mosaic_runtime.recipe import ExpertActivation
 from mosaic_runtime.vault.format import QuantType, ScaleDtype, record_layout
 from test_kernels import random_record, run_moe
 
@@ -108,13 +110,12 @@ def test_native_crc32_is_zlibs():
 
 def moe_on_ring(ring, slots, tokens, weights, x, y, threads=2):
     total, max_n = sum(len(t) for t in tokens), max(len(t) for t in tokens)
-    scratch = np.zeros(K.scratch_floats(int(LAYOUT.quant), int(LAYOUT.scale_dtype), LAYOUT.hidden,
-                                        LAYOUT.intermediate, total, max_n, threads), np.float32)
+    fmt = expert_format(LAYOUT, ExpertActivation())
+    scratch = np.zeros(K.scratch_floats(fmt, total, max_n, threads), np.float32)
     out = {}
 
     def call():
-        out["result"] = K.moe_experts_ring(K.best_isa(), threads, int(LAYOUT.quant), int(LAYOUT.scale_dtype),
-                                           LAYOUT.hidden, LAYOUT.intermediate, ring.native,
+        out["result"] = K.moe_experts_ring(K.best_isa(), threads, fmt, ring.native,
                                            np.asarray(slots, np.int32), np.array([len(t) for t in tokens], np.int32),
                                            np.concatenate(tokens).astype(np.int32),
                                            np.concatenate(weights).astype(np.float32), x, y, scratch)

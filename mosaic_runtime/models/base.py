@@ -33,12 +33,18 @@ def swiglu(x: torch.Tensor, gate, up, down) -> torch.Tensor:
 
 
 def cached_attention(q: torch.Tensor, k_cache: torch.Tensor | Int8Rows, v_cache: torch.Tensor | Int8Rows,
-                     start: int, scale: float, window: int | None = None) -> torch.Tensor:
+                     start: int, scale: float, window: int | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention of T new queries at positions start..start+T-1 over cache[:start+T] (float32,
     bf16, or an int8 cache's codes and row scales), each query seeing the last `window` positions only when
     a window is given: a decode step (T == 1) on the CPU runs the native kernel (native/src/attention.cpp,
     each key and value read once for the query heads that share it); everything else, and the reference,
-    is torch_attention (an int8 cache dequantized first)."""
+    is torch_attention (an int8 cache dequantized first). sinks [Hq]: torch_attention's."""
+    if sinks is not None:
+        if isinstance(k_cache, Int8Rows):
+            end = start + q.shape[0]
+            k_cache, v_cache = (Int8Rows(*(t[:, :end] for t in c)).dequantize() for c in (k_cache, v_cache))
+        return torch_attention(q, k_cache, v_cache, start, scale, window, sinks)
     end = start + q.shape[0]
     if q.shape[0] == 1 and window is not None and end > window:  # a decode step sees the window's keys only
         lo = end - window
@@ -73,7 +79,7 @@ def _rows_contiguous(k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def torch_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
-                    scale: float, window: int | None = None) -> torch.Tensor:
+                    scale: float, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention of T new queries at positions start..start+T-1 over cache[:start+T], in torch;
     with a window, query i sees positions i-window+1..i only.
 
@@ -83,6 +89,8 @@ def torch_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Args:
         q: [T, Hq, D]; k_cache, v_cache: [Hkv, S, D] (head-major, as the KV cache returns them), holding
             the keys/values up to start+T.
+        sinks: [Hq] or None: query head j's softmax takes exp(sinks[j]) into its denominator, an extra
+            column with no value (gpt-oss's attention sinks).
     Returns:
         [T, Hq * D]
     """
@@ -92,7 +100,14 @@ def torch_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     rep = hq // hkv  # query head j reads KV head j // rep
     k, v = k_cache[:, :end].to(q.dtype), v_cache[:, :end].to(q.dtype)  # a bf16 cache is widened here
     qh = q.reshape(t, hkv, rep, d).permute(1, 2, 0, 3).reshape(hkv, rep * t, d)  # rows: (r, t)
-    if t == 1 and (window is None or end <= window):  # plain matmuls read the cache at 2x torch's fused CPU kernel
+    if sinks is not None:  # the sink is one more logit per row: softmax over it, then it is dropped
+        mask = torch.ones(t, end, dtype=torch.bool).tril(diagonal=start)
+        if window is not None:
+            mask &= torch.ones(t, end, dtype=torch.bool).triu(diagonal=start - window + 1)
+        scores = ((qh @ k.transpose(1, 2)) * scale).masked_fill(~mask.repeat(rep, 1), float("-inf"))
+        sink = sinks.to(scores.dtype).view(hkv, rep, 1, 1).expand(hkv, rep, t, 1).reshape(hkv, rep * t, 1)
+        out = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1] @ v
+    elif t == 1 and (window is None or end <= window):  # plain matmuls read the cache at 2x torch's fused CPU kernel
         out = torch.softmax((qh @ k.transpose(1, 2)) * scale, dim=-1) @ v
     else:  # query i sees keys 0..start+i (the last `window` of them)
         mask = torch.ones(t, end, dtype=torch.bool).tril(diagonal=start)

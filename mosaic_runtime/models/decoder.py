@@ -78,7 +78,7 @@ class Decoder:
             q, k, v = (z.clamp(-att.clip_qkv, att.clip_qkv) for z in (q, k, v))
         q, k = self.rotary.apply(q, rope), self.rotary.apply(k, rope)
         k_cache, v_cache = self.state.kv.store(slot, start, k, v)
-        o = cached_attention(q, k_cache, v_cache, start, att.scale, att.sliding_window)  # [T, heads * D]
+        o = cached_attention(q, k_cache, v_cache, start, att.scale, att.sliding_window, w.sinks)  # [T, heads * D]
         if gate is not None:
             o = o * torch.sigmoid(gate)
         o = linear(o, w.o)
@@ -129,7 +129,10 @@ class Decoder:
     def ffn(self, i: int, ffn: Ffn, w: FfnWeights, x: torch.Tensor) -> torch.Tensor:
         if ffn.router is None:
             return swiglu(x, w.gate, w.up, w.down)
-        topk_weights, topk_ids = route(linear(x, w.router), ffn.router, w.router_bias)
+        logits = linear(x, w.router)
+        if w.router_logit_bias is not None:
+            logits = logits + w.router_logit_bias
+        topk_weights, topk_ids = route(logits, ffn.router, w.router_bias)
         y = self.experts(i, x, topk_weights, topk_ids)
         if ffn.intermediate:
             shared = swiglu(x, w.gate, w.up, w.down)

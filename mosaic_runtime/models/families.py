@@ -29,6 +29,8 @@ class WeightNames:
     delta_net: str = "linear_attn."
     router: str = "mlp.gate.weight"
     router_bias: str = "mlp.gate.e_score_correction_bias"
+    router_logit_bias: str = "mlp.gate.bias"
+    sinks: str = "sinks"  # after `attention`
     shared_expert: str = "mlp.shared_expert."
     shared_expert_gate: str = "mlp.shared_expert_gate.weight"
     dense_mlp: str = "mlp."
@@ -49,4 +51,5 @@ FAMILIES: dict[str, WeightNames] = {
     "qwen3_next": WeightNames(),  # Qwen3-Next-80B-A3B
     "qwen3_5_moe": WeightNames(),  # Qwen3.5 / 3.6-35B-A3B (multimodal save, prefix removed by the converter)
     "qwen3_5_moe_text": WeightNames(),  # Qwen3.5 / 3.6 text-only saves
+    "gpt_oss": WeightNames(router="mlp.router.weight", router_logit_bias="mlp.router.bias"),  # gpt-oss-20b, 120b
 }

@@ -31,6 +31,7 @@ class AttentionWeights:
     o_bias: torch.Tensor | None  # [H]
     q_norm: torch.Tensor | None  # [D] per head, or [heads * D] over the projection
     k_norm: torch.Tensor | None
+    sinks: torch.Tensor | None = None  # [heads]: a logit each query head's softmax adds to its denominator
 
 
 @dataclass
@@ -65,6 +66,7 @@ class DeltaNetWeights:
 class FfnWeights:
     router: Matrix | None  # [E, H]
     router_bias: torch.Tensor | None  # [E] score correction bias
+    router_logit_bias: torch.Tensor | None  # [E] the router Linear's own bias
     gate: Matrix | None  # the dense MLP's or the shared expert's [I, H]
     up: Matrix | None  # [I, H]
     down: Matrix | None  # [H, I]
@@ -125,7 +127,7 @@ def load_weights(recipe: ModelRecipe, names: WeightNames, tensors: Mapping[str, 
     for i, layer in enumerate(recipe.layers):
         of = lambda name: names.of(i, name)  # noqa: E731
         if isinstance(layer.mixer, Attention):
-            mixer = _attention(t, of, names.attention, layer.mixer)
+            mixer = _attention(t, of, names.attention, layer.mixer, names.sinks)
         elif isinstance(layer.mixer, LatentAttention):
             mixer = _latent(t, of, names.attention, layer.mixer)
         else:
@@ -138,18 +140,20 @@ def load_weights(recipe: ModelRecipe, names: WeightNames, tensors: Mapping[str, 
             t.norm(of(names.input_norm)), t.norm(of(names.post_norm)), mixer,
             FfnWeights(t.matrix(of(names.router)) if ffn.router else None,
                        t.vector(of(names.router_bias)) if ffn.router and ffn.router.score_bias else None,
+                       t.vector(of(names.router_logit_bias)) if ffn.router and ffn.router.logit_bias else None,
                        gate, up, down, t.matrix(of(names.shared_expert_gate)) if ffn.shared_gate else None)))
     return ModelWeights(embed, t.norm(names.final_norm), lm_head, layers)
 
 
-def _attention(t: _Tensors, of, prefix: str, att: Attention) -> AttentionWeights:
+def _attention(t: _Tensors, of, prefix: str, att: Attention, names_sinks: str) -> AttentionWeights:
     p = lambda name: of(prefix + name)  # noqa: E731
     norms = att.qk_norm is not QkNorm.NONE
     # q/k norm weights are zero-centred with the rest (the hybrids' 1 + w)
     return AttentionWeights(
         *(t.matrix(p(f"{n}_proj.weight")) for n in "qkvo"),
         *(t.optional(p(f"{n}_proj.bias"), att.qkv_bias) for n in "qkv"), t.optional(p("o_proj.bias"), att.o_bias),
-        t.norm(p("q_norm.weight")) if norms else None, t.norm(p("k_norm.weight")) if norms else None)
+        t.norm(p("q_norm.weight")) if norms else None, t.norm(p("k_norm.weight")) if norms else None,
+        t.optional(p(names_sinks), att.sinks))
 
 
 UK_T, UV = "kv_b_proj.uk_t", "kv_b_proj.uv"  # names of kv_b_proj's halves (split_latent_kv), beside its own

@@ -13,14 +13,16 @@ import numpy as np
 import torch
 
 from ..experts import expert_ffn
+from ..recipe import ExpertActivation
 from ..vault.format import RecordLayout
-from ..vault.record import dequantize_record
+from ..vault.record import dequantize_record, record_biases
 from .policy import Key
 
 
 class DeviceExpertCache:
-    def __init__(self, layout: RecordLayout, capacity: int, device: torch.device):
-        self.layout, self.device, self.capacity = layout, torch.device(device), capacity
+    def __init__(self, layout: RecordLayout, capacity: int, device: torch.device,
+                 act: ExpertActivation = ExpertActivation()):
+        self.layout, self.device, self.capacity, self.act = layout, torch.device(device), capacity, act
         # Only the payload is copied and kept: the page tail of a record is padding.
         self.slots = torch.empty(capacity, layout.payload_bytes, dtype=torch.uint8, device=self.device)
         self.where: dict[Key, int] = {}
@@ -63,4 +65,4 @@ class DeviceExpertCache:
     def run(self, record: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """One expert on the device: x [n, H] float32 -> [n, H], weights dequantised from `record`."""
         gate, up, down = dequantize_record(self.layout, record)
-        return expert_ffn(x, gate, up, down)
+        return expert_ffn(x, gate, up, down, self.act, record_biases(self.layout, record))

@@ -54,7 +54,7 @@ class TieredExperts(ExpertExecutor):
             free, total = torch.cuda.mem_get_info(device)
             vram_budget = device_expert_budget(free, total, resident_device_bytes)
         capacity = min(max(0, vram_budget) // layout.record_bytes, vault.header.num_records)
-        cache = DeviceExpertCache(layout, capacity, device)
+        cache = DeviceExpertCache(layout, capacity, device, cpu.act)
         if device.type == "cuda":
             cpu.store.ring.pin_for_cuda()
         return cls(cpu, cache, POLICIES[policy](capacity * layout.record_bytes, layout.record_bytes),
@@ -161,9 +161,8 @@ def measure_cost(cpu: NativeExperts, cache: DeviceExpertCache) -> CostModel:
     sync = torch.cuda.synchronize if cache.device.type == "cuda" else (lambda: None)
 
     def cpu_run(t: int) -> None:
-        k.moe_experts(cpu.isa, cpu.threads, int(layout.quant), int(layout.scale_dtype), layout.hidden,
-                      layout.intermediate, [record], [np.arange(t, dtype=np.int32)], [np.ones(t, np.float32)],
-                      xs, y, scratch)
+        k.moe_experts(cpu.isa, cpu.threads, cpu.format, [record], [np.arange(t, dtype=np.int32)],
+                      [np.ones(t, np.float32)], xs, y, scratch)
 
     def copy() -> None:
         on_device.copy_(host, non_blocking=True)

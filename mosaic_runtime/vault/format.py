@@ -16,7 +16,7 @@ from dataclasses import dataclass
 # --- constants (vault_format.md §2) -------------------------------------------------------------
 VAULT_MAGIC = b"MOSAICV\0"  # 8 bytes, at offset 0
 VERSION_MAJOR = 1  # bumped when a v1 reader would misread the file (§9)
-VERSION_MINOR = 2  # bumped for additions a v1 reader may ignore (vault_format.md §9)
+VERSION_MINOR = 3  # bumped for additions a v1 reader may ignore (vault_format.md §9)
 HEADER_SIZE = 128  # fixed header, bytes
 PAGE_SIZE = 16384  # 16 KiB: every record starts on and spans whole pages
 PLANE_ALIGN = 64  # every plane inside a record starts on a cache line
@@ -27,6 +27,14 @@ Q4_BLOCK_BYTES = Q4_BLOCK // 2  # 16 bytes of nibbles per block
 Q4_ZERO = 8  # code of the value 0: w = d * (q - 8)
 FP8_BLOCK = 128  # FP8 scales cover 128 x 128 blocks
 FP8_E4M3_MAX = 448.0  # largest finite E4M3FN value
+MXFP4_BLOCK = 32  # weights per MXFP4 power-of-two scale, along the input dimension
+MXFP4_BLOCK_BYTES = MXFP4_BLOCK // 2
+E8M0_BIAS = 127  # an E8M0 scale byte s is 2^(s - 127); 255 is NaN
+E8M0_NAN = 255
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # by code
+
+FLAG_EXPERT_BIAS = 1  # header flag: each record ends with the biases of gate, up and down (§4.4)
+KNOWN_FLAGS = FLAG_EXPERT_BIAS
 
 # bounds (§8): a reader checks these before allocating anything
 MAX_LAYERS = 4096
@@ -40,19 +48,23 @@ MAX_RECORD_BYTES = 1 << 32
 class QuantType(enum.IntEnum):
     Q4_G32 = 1  # 4-bit symmetric, one f16 scale per 32 weights of a row
     FP8_B128 = 2  # E4M3FN, one scale per 128 x 128 block
+    MXFP4_G32 = 3  # OCP MXFP4: E2M1 codes, one E8M0 power-of-two scale per 32 weights of a row
 
 
 class ScaleDtype(enum.IntEnum):
     F16 = 1
     BF16 = 2
     F32 = 3
+    E8M0 = 4  # a power of two: one exponent byte, bias 127
 
     @property
     def itemsize(self) -> int:
-        return 4 if self is ScaleDtype.F32 else 2
+        return {ScaleDtype.F32: 4, ScaleDtype.E8M0: 1}.get(self, 2)
 
 
-QUANT_NAMES = {"q4": QuantType.Q4_G32, "fp8": QuantType.FP8_B128}  # CLI and API spelling
+# The scale dtype a quant type requires, where it allows only one.
+REQUIRED_SCALE_DTYPE = {QuantType.Q4_G32: ScaleDtype.F16, QuantType.MXFP4_G32: ScaleDtype.E8M0}
+QUANT_NAMES = {"q4": QuantType.Q4_G32, "fp8": QuantType.FP8_B128, "mxfp4": QuantType.MXFP4_G32}  # CLI and API spelling
 VAULT_FILE = "experts.vault"  # names inside a converted model directory (§1)
 BACKBONE_FILE = "backbone.safetensors"
 ARCH_REQUIRED = (  # §6: keys every arch block carries
@@ -140,13 +152,13 @@ def moe_layers_of(arch: dict, *, path: str | None = None) -> list[int]:
 # --- record layout (§4) -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Plane:
-    """One contiguous array inside a record: codes or scales of one projection."""
+    """One contiguous array inside a record: codes, scales or biases of one projection."""
 
     projection: str  # gate | up | down
-    kind: str  # codes | scales
+    kind: str  # codes | scales | bias
     offset: int  # from the start of the record
     nbytes: int
-    shape: tuple[int, ...]  # codes: [rows, bytes per row]; scales: [scale rows, scale cols]
+    shape: tuple[int, ...]  # codes: [rows, bytes per row]; scales: [scale rows, scale cols]; bias: [1, rows]
 
 
 @dataclass(frozen=True)
@@ -158,6 +170,7 @@ class RecordLayout:
     planes: tuple[Plane, ...]
     payload_bytes: int  # bytes up to the end of the last plane
     record_bytes: int  # payload padded to whole pages
+    bias: bool = False  # FLAG_EXPERT_BIAS: float32 bias planes of gate, up and down follow the weights
 
     def plane(self, projection: str, kind: str) -> Plane:
         for p in self.planes:
@@ -178,23 +191,40 @@ def plane_shapes(quant: QuantType, rows: int, cols: int) -> tuple[tuple[int, int
         return (rows, blocks * Q4_BLOCK_BYTES), (rows, blocks)
     if quant is QuantType.FP8_B128:
         return (rows, cols), (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
+    if quant is QuantType.MXFP4_G32:
+        blocks = -(-cols // MXFP4_BLOCK)
+        return (rows, blocks * MXFP4_BLOCK_BYTES), (rows, blocks)
     raise ValueError(f"unknown quant type {quant!r}")
 
 
-def record_layout(quant: QuantType, scale_dtype: ScaleDtype, hidden: int, intermediate: int) -> RecordLayout:
+def record_layout(quant: QuantType, scale_dtype: ScaleDtype, hidden: int, intermediate: int,
+                  bias: bool = False) -> RecordLayout:
+    """Where every plane of a record sits: gate, up and down, each codes then scales; with bias, the three
+    float32 bias vectors after them (so the weight planes sit where they do without)."""
     quant, scale_dtype = QuantType(quant), ScaleDtype(scale_dtype)
-    if quant is QuantType.Q4_G32 and scale_dtype is not ScaleDtype.F16:
-        raise ValueError("Q4_G32 scales are f16")
+    required = REQUIRED_SCALE_DTYPE.get(quant)
+    if required is not None and scale_dtype is not required:
+        raise ValueError(f"{quant.name} scales are {required.name.lower()}")
+    if required is None and scale_dtype not in (ScaleDtype.BF16, ScaleDtype.F32):
+        raise ValueError(f"{quant.name} scales are bf16 or f32")
     planes, at = [], 0
+
+    def add(proj: str, kind: str, shape: tuple[int, int], item: int) -> None:
+        nonlocal at
+        at = align_up(at, PLANE_ALIGN)
+        nbytes = shape[0] * shape[1] * item
+        planes.append(Plane(proj, kind, at, nbytes, shape))
+        at += nbytes
+
     for proj in PROJECTIONS:
         rows, cols = projection_shape(proj, hidden, intermediate)
         codes, scales = plane_shapes(quant, rows, cols)
-        for kind, shape, item in (("codes", codes, 1), ("scales", scales, scale_dtype.itemsize)):
-            at = align_up(at, PLANE_ALIGN)
-            nbytes = shape[0] * shape[1] * item
-            planes.append(Plane(proj, kind, at, nbytes, shape))
-            at += nbytes
-    return RecordLayout(quant, scale_dtype, hidden, intermediate, tuple(planes), at, align_up(at, PAGE_SIZE))
+        add(proj, "codes", codes, 1)
+        add(proj, "scales", scales, scale_dtype.itemsize)
+    if bias:
+        for proj in PROJECTIONS:
+            add(proj, "bias", (1, projection_shape(proj, hidden, intermediate)[0]), 4)
+    return RecordLayout(quant, scale_dtype, hidden, intermediate, tuple(planes), at, align_up(at, PAGE_SIZE), bias)
 
 
 # --- fixed header (§3) --------------------------------------------------------------------------
@@ -260,10 +290,13 @@ class VaultHeader:
             bad("quant_type", quant, 20, "unknown quant type")
         if sdt not in ScaleDtype._value2member_map_:
             bad("scale_dtype", sdt, 24, "unknown scale dtype")
-        if quant == QuantType.Q4_G32 and sdt != ScaleDtype.F16:
-            bad("scale_dtype", sdt, 24, "Q4_G32 scales must be f16")
-        if flags != 0:
-            bad("flags", flags, 52, "no flags are defined in v1")
+        required = REQUIRED_SCALE_DTYPE.get(QuantType(quant))
+        if required is not None and sdt != required:
+            bad("scale_dtype", sdt, 24, f"{QuantType(quant).name} scales must be {required.name.lower()}")
+        if required is None and sdt not in (ScaleDtype.BF16, ScaleDtype.F32):
+            bad("scale_dtype", sdt, 24, f"{QuantType(quant).name} scales must be bf16 or f32")
+        if flags & ~KNOWN_FLAGS:
+            bad("flags", flags, 52, f"unknown flag bits {flags & ~KNOWN_FLAGS:#x}")
         if not 1 <= n_layers <= MAX_LAYERS:
             bad("num_layers", n_layers, 28, f"must be in 1..{MAX_LAYERS}")
         if not 1 <= n_experts <= MAX_EXPERTS:
@@ -274,7 +307,7 @@ class VaultHeader:
             bad("moe_intermediate_size", inter, 40, f"must be in 1..{MAX_DIM}")
         if not 1 <= n_records <= min(n_layers * n_experts, MAX_RECORDS):
             bad("num_records", n_records, 44, f"must be in 1..min(num_layers * num_experts, {MAX_RECORDS})")
-        layout = record_layout(QuantType(quant), ScaleDtype(sdt), hidden, inter)
+        layout = record_layout(QuantType(quant), ScaleDtype(sdt), hidden, inter, bool(flags & FLAG_EXPERT_BIAS))
         if record_bytes != layout.record_bytes:
             bad("record_bytes", record_bytes, 48, f"geometry gives {layout.record_bytes}")
         if not 0 < record_bytes < MAX_RECORD_BYTES:
@@ -301,14 +334,16 @@ class VaultHeader:
 
     @property
     def layout(self) -> RecordLayout:
-        return record_layout(self.quant, self.scale_dtype, self.hidden, self.intermediate)
+        return record_layout(self.quant, self.scale_dtype, self.hidden, self.intermediate,
+                             bool(self.flags & FLAG_EXPERT_BIAS))
 
 
 def plan_header(quant: QuantType, scale_dtype: ScaleDtype, num_layers: int, num_experts: int,
                 hidden: int, intermediate: int, num_records: int, arch_length: int,
-                lineage_length: int) -> VaultHeader:
-    """Offsets of every region for the given sizes; meta_crc32 is filled in by the writer."""
-    layout = record_layout(quant, scale_dtype, hidden, intermediate)
+                lineage_length: int, bias: bool = False) -> VaultHeader:
+    """Offsets of every region for the given sizes; meta_crc32 is filled in by the writer. bias: the
+    records carry expert biases (FLAG_EXPERT_BIAS)."""
+    layout = record_layout(quant, scale_dtype, hidden, intermediate, bias)
     lin_off = HEADER_SIZE + arch_length
     idx_off = align_up(lin_off + lineage_length, 8)
     idx_len = num_records * INDEX_ENTRY_SIZE
@@ -316,7 +351,7 @@ def plan_header(quant: QuantType, scale_dtype: ScaleDtype, num_layers: int, num_
     return VaultHeader(QuantType(quant), ScaleDtype(scale_dtype), num_layers, num_experts, hidden,
                        intermediate, num_records, layout.record_bytes, HEADER_SIZE, arch_length,
                        lin_off, lineage_length, idx_off, idx_len, data_off,
-                       data_off + num_records * layout.record_bytes, 0)
+                       data_off + num_records * layout.record_bytes, 0, FLAG_EXPERT_BIAS if bias else 0)
 
 
 # --- expert index (§5) --------------------------------------------------------------------------

@@ -10,14 +10,16 @@ import os
 
 import torch
 
-from .format import FP8_BLOCK, FP8_E4M3_MAX, Q4_BLOCK, Q4_BLOCK_BYTES, Q4_ZERO, ScaleDtype
+from .format import (E2M1_VALUES, E8M0_BIAS, E8M0_NAN, FP8_BLOCK, FP8_E4M3_MAX, MXFP4_BLOCK, MXFP4_BLOCK_BYTES,
+                     Q4_BLOCK, Q4_BLOCK_BYTES, Q4_ZERO, ScaleDtype)
 
-SCALE_TORCH_DTYPES = {ScaleDtype.F16: torch.float16, ScaleDtype.BF16: torch.bfloat16, ScaleDtype.F32: torch.float32}
+SCALE_TORCH_DTYPES = {ScaleDtype.F16: torch.float16, ScaleDtype.BF16: torch.bfloat16, ScaleDtype.F32: torch.float32,
+                      ScaleDtype.E8M0: torch.uint8}
 
 
 def scale_dtype_of(dtype: torch.dtype) -> ScaleDtype:
     for code, torch_dtype in SCALE_TORCH_DTYPES.items():
-        if torch_dtype == dtype:
+        if torch_dtype == dtype and code is not ScaleDtype.E8M0:
             return code
     raise ValueError(f"no vault scale dtype for {dtype}")
 
@@ -169,3 +171,69 @@ def dequantize_fp8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     rows, cols = codes.shape
     tiles = _tiles(codes.view(torch.float8_e4m3fn).float())
     return _untile(tiles * scales.float()[:, None, :, None], rows, cols).contiguous()
+
+
+# --- MXFP4_G32 ----------------------------------------------------------------------------------
+_E2M1 = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+_E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])  # between magnitudes 0 .. 6
+E2M1_MAX = 6.0
+E2M1_EMAX = 2  # 6 = 1.5 * 2^2: the OCP shared exponent is floor(log2(amax)) - 2
+
+
+def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (sign bit 8, magnitude code 0..7) of x rounded to the nearest value, ties to the even
+    code, saturating at 6."""
+    mag = x.abs().clamp(max=E2M1_MAX)
+    code = torch.bucketize(mag, _E2M1_MIDPOINTS)  # the lower code on a tie
+    tie = (code < 7) & (mag == _E2M1_MIDPOINTS[code.clamp(max=6)]) & (code % 2 == 1)
+    code = code + tie.to(code.dtype)
+    return (code | torch.where(x < 0, 8, 0)).to(torch.uint8)
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4_G32 of float weights: per block of 32, the E8M0 exponent e of OCP's rule
+    (floor(log2(amax)) - 2) or e + 1, whichever gives the smaller squared error, and E2M1 codes of w / 2^e
+    rounded to nearest even. Columns past the last whole block are code 0. (From an MXFP4 checkpoint the
+    converter copies its codes and scales instead.)
+
+    Returns:
+        codes: uint8 [R, ceil(C/32) * 16]; byte j of block b holds element 32b+2j (low nibble) and
+            32b+2j+1 (high nibble), the OCP / checkpoint order.
+        scales: uint8 [R, ceil(C/32)], E8M0.
+    """
+    rows, cols = w.shape
+    nb = -(-cols // MXFP4_BLOCK)
+    blocks = torch.zeros(rows, nb * MXFP4_BLOCK, dtype=torch.float32)
+    blocks[:, :cols] = w.float()
+    blocks = blocks.view(rows, nb, MXFP4_BLOCK)
+    if not torch.isfinite(blocks).all():
+        raise ValueError("weights contain inf or nan")
+    amax = blocks.abs().amax(-1, keepdim=True)
+    e = torch.floor(torch.log2(torch.where(amax > 0, amax, torch.ones_like(amax)))) - E2M1_EMAX
+    best_codes, best_e, best_err = None, None, None
+    for exp in (e, e + 1):
+        exp = exp.clamp(-E8M0_BIAS, E8M0_NAN - 1 - E8M0_BIAS)
+        codes = _e2m1_codes(blocks * torch.pow(2.0, -exp))
+        err = ((_E2M1[codes.long()] * torch.pow(2.0, exp) - blocks) ** 2).sum(-1, keepdim=True)
+        if best_codes is None:
+            best_codes, best_e, best_err = codes, exp, err
+        else:
+            better = err < best_err
+            best_codes = torch.where(better, codes, best_codes)
+            best_e = torch.where(better, exp, best_e)
+            best_err = torch.where(better, err, best_err)
+    packed = best_codes[..., 0::2] | (best_codes[..., 1::2] << 4)  # [R, nb, 16]
+    scales = (best_e + E8M0_BIAS).to(torch.uint8).reshape(rows, nb)
+    return packed.reshape(rows, nb * MXFP4_BLOCK_BYTES).contiguous(), scales.contiguous()
+
+
+def dequantize_mxfp4(codes: torch.Tensor, scales: torch.Tensor, cols: int) -> torch.Tensor:
+    """float32 [R, cols] from MXFP4_G32 codes [R, nb*16] and E8M0 scales [R, nb] (255 decodes to NaN)."""
+    rows, nb = scales.shape
+    packed = codes.reshape(rows, nb, MXFP4_BLOCK_BYTES)
+    lut = _E2M1.to(codes.device)
+    values = torch.stack([lut[(packed & 0x0F).long()], lut[(packed >> 4).long()]], dim=-1)  # [R, nb, 16, 2]
+    exp = scales.to(torch.int32) - E8M0_BIAS
+    w = torch.ldexp(values.reshape(rows, nb, MXFP4_BLOCK), exp[..., None].float())
+    w = torch.where((scales == E8M0_NAN)[..., None], torch.full_like(w, float("nan")), w)
+    return w.reshape(rows, nb * MXFP4_BLOCK)[:, :cols]

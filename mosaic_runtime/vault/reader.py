@@ -12,7 +12,7 @@ import torch
 
 from .format import (BACKBONE_FILE, HEADER_SIZE, QUANT_NAMES, VAULT_FILE, IndexEntry, Reason,
                      VaultError, VaultHeader, crc32, decode_meta, moe_layers_of, unpack_index)
-from .record import dequantize_record
+from .record import dequantize_record, record_biases
 
 QUANT_LABELS = {q: name for name, q in QUANT_NAMES.items()}
 _SAFETENSORS_MAX_HEADER = 100 << 20  # the safetensors library's own limit
@@ -94,6 +94,10 @@ class Vault:
     def dequantize_expert(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate [I, H], up [I, H], down [H, I]) as float32 tensors."""
         return dequantize_record(self.layout, self.read_record(layer, expert))
+
+    def expert_biases(self, layer: int, expert: int) -> dict[str, torch.Tensor] | None:
+        """The expert's float32 biases by projection, or None when the vault's records carry none."""
+        return record_biases(self.layout, self.read_record(layer, expert)) if self.layout.bias else None
 
     def backbone_header(self) -> dict:
         """The backbone's safetensors header, checked against the file size."""

@@ -5,18 +5,25 @@ from __future__ import annotations
 import torch
 
 from .format import PROJECTIONS, QuantType, RecordLayout, projection_shape
-from .quant import SCALE_TORCH_DTYPES, dequantize_fp8, dequantize_q4
+from .quant import SCALE_TORCH_DTYPES, dequantize_fp8, dequantize_mxfp4, dequantize_q4
 
 Planes = dict[str, tuple[torch.Tensor, torch.Tensor]]  # projection -> (codes uint8, scales)
+Biases = dict[str, torch.Tensor]  # projection -> float32 [rows], in a record whose layout has bias
 
 
-def pack_record(layout: RecordLayout, planes: Planes) -> bytearray:
-    """The record's bytes, record_bytes long, every gap and the page tail zero."""
+def pack_record(layout: RecordLayout, planes: Planes, biases: Biases | None = None) -> bytearray:
+    """The record's bytes, record_bytes long, every gap and the page tail zero. biases: exactly when the
+    layout has bias planes."""
+    if layout.bias != (biases is not None):
+        raise ValueError("expert biases given for a layout without bias planes, or missing for one with them")
     out = bytearray(layout.record_bytes)
     scale_dtype = SCALE_TORCH_DTYPES[layout.scale_dtype]
     for proj in PROJECTIONS:
         codes, scales = planes[proj]
-        for kind, tensor, dtype in (("codes", codes, torch.uint8), ("scales", scales, scale_dtype)):
+        parts = [("codes", codes, torch.uint8), ("scales", scales, scale_dtype)]
+        if biases is not None:
+            parts.append(("bias", biases[proj].reshape(1, -1), torch.float32))
+        for kind, tensor, dtype in parts:
             plane = layout.plane(proj, kind)
             if tensor.dtype != dtype or tuple(tensor.shape) != plane.shape:
                 raise ValueError(f"{proj} {kind}: got {tensor.dtype} {tuple(tensor.shape)}, "
@@ -45,6 +52,19 @@ def record_planes(layout: RecordLayout, buf: torch.Tensor) -> Planes:
     return planes
 
 
+def record_biases(layout: RecordLayout, record) -> Biases | None:
+    """The float32 biases of a record (copies), or None when its layout has none."""
+    if not layout.bias:
+        return None
+    buf = record if isinstance(record, torch.Tensor) else torch.frombuffer(bytearray(record[:layout.payload_bytes]),
+                                                                           dtype=torch.uint8)
+    out = {}
+    for proj in PROJECTIONS:
+        b = layout.plane(proj, "bias")
+        out[proj] = buf[b.offset:b.offset + b.nbytes].view(torch.float32).clone()
+    return out
+
+
 def dequantize_record(layout: RecordLayout, record) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(gate [I, H], up [I, H], down [H, I]) in float32, on the device of `record` when it is a uint8 tensor
     (a device cache slot), else on the CPU."""
@@ -55,6 +75,8 @@ def dequantize_record(layout: RecordLayout, record) -> tuple[torch.Tensor, torch
         _, cols = projection_shape(proj, layout.hidden, layout.intermediate)
         if layout.quant is QuantType.Q4_G32:
             out.append(dequantize_q4(codes, scales, cols))
+        elif layout.quant is QuantType.MXFP4_G32:
+            out.append(dequantize_mxfp4(codes, scales, cols))
         else:
             out.append(dequantize_fp8(codes, scales))
     return tuple(out)

@@ -306,15 +306,15 @@ void init_decode(nb::module_& m) {
       }, nb::kw_only(), nb::arg("norm"), nb::arg("eps"), nb::arg("lm_head"));
 
   nb::class_<PyLoopExperts>(d, "LoopExperts", "The expert ring's held records, for decode_layers to run itself")
-      .def("__init__", [](PyLoopExperts* self, int isa, int threads, uint32_t quant, uint32_t scale_dtype, uint32_t hidden,
-                          uint32_t intermediate, int top_k, nb::handle ring, nb::handle slot_of, nb::handle scratch) {
+      .def("__init__", [](PyLoopExperts* self, int isa, int threads, const ExpertFormat& format, int top_k,
+                          nb::handle ring, nb::handle slot_of, nb::handle scratch) {
         new (self) PyLoopExperts();
         LoopExperts& e = self->e;
         e.isa = Isa(isa);
         e.threads = threads;
         check(isa_available(e.isa), "LoopExperts: this CPU lacks that ISA");
-        e.layout = record_layout(QuantType(quant), ScaleDtype(scale_dtype), hidden, intermediate);
-        e.quant = QuantType(quant);
+        e.layout = format.layout;
+        e.act = format.act;
         const ExpertRing& r = nb::cast<const ExpertRing&>(ring);
         check(e.layout.record_bytes <= r.slot_bytes(), "LoopExperts: records larger than the ring's slots");
         e.ring = &r;
@@ -330,8 +330,8 @@ void init_decode(nb::module_& m) {
         check(s.shape(0) >= moe_scratch_floats(e.layout, top_k, 1, threads), "LoopExperts: scratch too small");
         e.scratch = s.data();
         for (nb::handle h : {ring, slot_of, scratch}) self->hold(h);
-      }, nb::kw_only(), nb::arg("isa"), nb::arg("threads"), nb::arg("quant"), nb::arg("scale_dtype"), nb::arg("hidden"),
-         nb::arg("intermediate"), nb::arg("top_k"), nb::arg("ring"), nb::arg("slot_of"), nb::arg("scratch"));
+      }, nb::kw_only(), nb::arg("isa"), nb::arg("threads"), nb::arg("format"), nb::arg("top_k"), nb::arg("ring"),
+         nb::arg("slot_of"), nb::arg("scratch"));
 
   using KvArray = nb::ndarray<nb::ndim<4>, nb::device::cpu>;
   using ScaleArray = nb::ndarray<float, nb::ndim<3>, nb::device::cpu>;

@@ -47,6 +47,10 @@ void init_format(nb::module_& m) {
   f.attr("Q4_BLOCK_BYTES") = kQ4BlockBytes;
   f.attr("Q4_ZERO") = kQ4Zero;
   f.attr("FP8_BLOCK") = kFp8Block;
+  f.attr("MXFP4_BLOCK") = kMxfp4Block;
+  f.attr("MXFP4_BLOCK_BYTES") = kMxfp4BlockBytes;
+  f.attr("E8M0_BIAS") = kE8m0Bias;
+  f.attr("FLAG_EXPERT_BIAS") = kFlagExpertBias;
   f.def("header_field_offsets", [] {
     // (name, offset, size) of every fixed-header field, for the parity test.
     std::vector<std::tuple<std::string, size_t, size_t>> out;
@@ -61,12 +65,13 @@ void init_format(nb::module_& m) {
 #undef MOSAIC_FIELD
     return out;
   });
-  f.def("record_layout", [](uint32_t quant, uint32_t scale_dtype, uint32_t hidden, uint32_t intermediate) {
+  f.def("record_layout", [](uint32_t quant, uint32_t scale_dtype, uint32_t hidden, uint32_t intermediate, bool bias) {
     // ([(projection, kind, offset, nbytes, rows, cols)], payload_bytes, record_bytes)
-    RecordLayout l = record_layout(QuantType(quant), ScaleDtype(scale_dtype), hidden, intermediate);
+    RecordLayout l = record_layout(QuantType(quant), ScaleDtype(scale_dtype), hidden, intermediate, bias);
     std::vector<std::tuple<std::string, std::string, uint64_t, uint64_t, uint64_t, uint64_t>> planes;
+    static const char* kinds[] = {"codes", "scales", "bias"};
     for (const Plane& p : l.planes)
-      planes.emplace_back(projection_name(p.projection), p.is_scales ? "scales" : "codes", p.offset, p.nbytes,
+      planes.emplace_back(projection_name(p.projection), kinds[static_cast<int>(p.kind)], p.offset, p.nbytes,
                           p.rows, p.cols);
     return std::make_tuple(planes, l.payload_bytes, l.record_bytes);
   });
@@ -92,9 +97,6 @@ EncodeInput encode_input(const Weights2d& w, const char* encoder) {
   return {w.data(), bf16, static_cast<int64_t>(w.shape(0)), static_cast<int>(w.shape(1))};
 }
 
-RecordLayout layout_of(uint32_t quant, uint32_t scale_dtype, uint32_t hidden, uint32_t intermediate) {
-  return record_layout(QuantType(quant), ScaleDtype(scale_dtype), hidden, intermediate);
-}
 
 // The tasks of one moe call, checked against x, y and scratch; kept across calls (no allocation per token).
 std::vector<ExpertTask>& build_tasks(const RecordLayout& layout, int isa, int threads, const std::vector<Ints>& tokens,
@@ -148,7 +150,7 @@ void init_kernels(nb::module_& m) {
           MatvecArgs a{codes.data(), scales.data(), ScaleDtype(scale_dtype), rows, cols, x.data(), cols,
                        static_cast<int>(x.shape(0)), y.data(), rows};
           nb::gil_scoped_release release;
-          (QuantType(quant) == QuantType::Q4_G32 ? ks.q4 : ks.fp8)(a);
+          ks.of(QuantType(quant))(a);
         });
   k.def("linear_bf16", [](int isa, int threads, nb::ndarray<const uint16_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> w,
                           Matrix x, OutMatrix y) {
@@ -256,34 +258,41 @@ void init_kernels(nb::module_& m) {
     nb::gil_scoped_release release;
     return stream_read(data.data(), data.shape(0), threads);
   });
-  k.def("scratch_floats", [](uint32_t quant, uint32_t scale_dtype, uint32_t hidden, uint32_t intermediate,
-                             int total_rows, int max_rows_per_task, int threads) {
-    return moe_scratch_floats(layout_of(quant, scale_dtype, hidden, intermediate), total_rows, max_rows_per_task,
-                              threads);
+  nb::class_<ExpertFormat>(k, "ExpertFormat", "A vault's record layout and the recipe's expert activation")
+      .def(nb::init<uint32_t, uint32_t, uint32_t, uint32_t, bool, int, float, float>(), nb::arg("quant"),
+           nb::arg("scale_dtype"), nb::arg("hidden"), nb::arg("intermediate"), nb::arg("bias") = false,
+           nb::arg("activation") = 0, nb::arg("alpha") = 1.f, nb::arg("limit") = 0.f)
+      .def_prop_ro("payload_bytes", [](const ExpertFormat& f) { return f.layout.payload_bytes; })
+      .def_prop_ro("record_bytes", [](const ExpertFormat& f) { return f.layout.record_bytes; });
+  k.attr("SILU") = static_cast<int>(ExpertActivation::Kind::Silu);
+  k.attr("CLAMPED_SWIGLU") = static_cast<int>(ExpertActivation::Kind::ClampedSwiglu);
+  k.def("scratch_floats", [](const ExpertFormat& f, int total_rows, int max_rows_per_task, int threads) {
+    return moe_scratch_floats(f.layout, total_rows, max_rows_per_task, threads);
   });
   k.def("moe_experts",
-        [](int isa, int threads, uint32_t quant, uint32_t scale_dtype, uint32_t hidden, uint32_t intermediate,
-           const std::vector<Bytes>& records, const std::vector<Ints>& tokens, const std::vector<Floats1>& weights,
-           Matrix x, OutMatrix y, Scratch scratch) {
+        [](int isa, int threads, const ExpertFormat& f, const std::vector<Bytes>& records,
+           const std::vector<Ints>& tokens, const std::vector<Floats1>& weights, Matrix x, OutMatrix y,
+           Scratch scratch) {
           // y[T, H] += routed experts; records/tokens/weights hold one entry per expert, in combine order.
-          const RecordLayout layout = layout_of(quant, scale_dtype, hidden, intermediate);
+          const RecordLayout& layout = f.layout;
+          const uint32_t hidden = static_cast<uint32_t>(layout.planes[4].rows);
           check(records.size() == tokens.size(), "moe_experts: one token list and weight list per record");
           for (const Bytes& r : records) check(r.shape(0) >= layout.payload_bytes, "moe_experts: record shorter than its layout");
           std::vector<ExpertTask>& tasks = build_tasks(layout, isa, threads, tokens, weights, x, y, scratch);
           for (size_t i = 0; i < records.size(); ++i) tasks[i].record = records[i].data();
           nb::gil_scoped_release release;
-          moe_experts(layout, QuantType(quant), x.data(), static_cast<int>(hidden), tasks.data(),
+          moe_experts(layout, f.act, x.data(), static_cast<int>(hidden), tasks.data(),
                       static_cast<int>(tasks.size()), y.data(), scratch.data(), Isa(isa), threads);
         });
   k.def("moe_experts_ring",
-        [](int isa, int threads, uint32_t quant, uint32_t scale_dtype, uint32_t hidden, uint32_t intermediate,
-           const ExpertRing& ring, Ints slots, Ints counts, Ints tokens, Floats1 weights, Matrix x, OutMatrix y,
-           Scratch scratch) {
+        [](int isa, int threads, const ExpertFormat& f, const ExpertRing& ring, Ints slots, Ints counts, Ints tokens,
+           Floats1 weights, Matrix x, OutMatrix y, Scratch scratch) {
           // As moe_experts, on records in ring slots that may still be arriving: each expert runs as soon as
           // its read completes. The tasks come flat (three arrays, not a list of arrays per expert: one
           // conversion each, on the token loop): expert i takes the next counts[i] entries of tokens and
           // weights. Returns (-1 or the index of the expert whose read failed, wait_s, total_s).
-          const RecordLayout layout = layout_of(quant, scale_dtype, hidden, intermediate);
+          const RecordLayout& layout = f.layout;
+          const uint32_t hidden = static_cast<uint32_t>(layout.planes[4].rows);
           const size_t n = slots.shape(0);
           check(counts.shape(0) == n, "moe_experts_ring: one count per slot");
           check(tokens.shape(0) == weights.shape(0), "moe_experts_ring: tokens and weights differ in length");
@@ -313,7 +322,7 @@ void init_kernels(nb::module_& m) {
           int failed;
           {
             nb::gil_scoped_release release;
-            failed = moe_experts(layout, QuantType(quant), x.data(), static_cast<int>(hidden), tasks.data(),
+            failed = moe_experts(layout, f.act, x.data(), static_cast<int>(hidden), tasks.data(),
                                  static_cast<int>(tasks.size()), y.data(), scratch.data(), Isa(isa), threads, &ring,
                                  &timing);
           }

@@ -42,7 +42,7 @@ DecodeLayersResult decode_layers(const DecodeLayer* layers, int n_layers, int fi
       tasks[j] = {experts->ring->slot(slot), &token, &sorted_w[j], 1, -1};
     }
     MoeTiming timing;
-    moe_experts(experts->layout, experts->quant, h, L.hidden, tasks, k, x, experts->scratch, experts->isa,
+    moe_experts(experts->layout, experts->act, h, L.hidden, tasks, k, x, experts->scratch, experts->isa,
                 experts->threads, nullptr, &timing);
     result.kernel_s += timing.total_s;
   }

@@ -228,9 +228,61 @@ MOSAIC_AVX2 void q4_avx2_int8(const MatvecArgs& a) {
   }
 }
 
+// 8 E2M1 codes (one a byte) as floats: the magnitude through an 8-entry table, the sign bit moved to bit 31.
+MOSAIC_AVX2 inline __m256 e2m1x8(__m128i codes, __m256 lut) {
+  const __m256i c = _mm256_cvtepu8_epi32(codes);
+  const __m256 mag = _mm256_permutevar8x32_ps(lut, c);  // uses the low 3 bits
+  return _mm256_xor_ps(mag, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(c, 3), 31)));
+}
+
+// MXFP4 in float: a block's 32 codes (byte j: elements 2j and 2j + 1) widened 8 at a time, times the
+// block's power-of-two scale; the partial last block through the reference's arithmetic.
+MOSAIC_AVX2 void mxfp4_avx2(const MatvecArgs& a) {
+  const int blocks = (a.cols + kMxfp4 - 1) / kMxfp4;
+  const int whole = a.cols / kMxfp4;
+  const auto* scales = static_cast<const uint8_t*>(a.scales);
+  const __m256 lut = _mm256_loadu_ps(kE2m1);
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int r = 0; r < a.rows; ++r) {
+    const uint8_t* row = a.codes + static_cast<uint64_t>(r) * blocks * kQ4Bytes;
+    const uint8_t* rs = scales + static_cast<uint64_t>(r) * blocks;
+    for (int t0 = 0; t0 < a.n; t0 += kTokTile) {
+      const int nt = std::min(kTokTile, a.n - t0);
+      __m256 acc[kTokTile] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (int b = 0; b < whole; ++b) {
+        if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + b * 16 + kPrefetch), _MM_HINT_T0);
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
+        const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+        const __m128i e0 = _mm_unpacklo_epi8(lo, hi), e1 = _mm_unpackhi_epi8(lo, hi);  // elements 0-15, 16-31
+        const __m256 d = _mm256_set1_ps(e8m0_to_f32(rs[b]));
+        const __m256 w0 = _mm256_mul_ps(e2m1x8(e0, lut), d), w1 = _mm256_mul_ps(e2m1x8(_mm_srli_si128(e0, 8), lut), d);
+        const __m256 w2 = _mm256_mul_ps(e2m1x8(e1, lut), d), w3 = _mm256_mul_ps(e2m1x8(_mm_srli_si128(e1, 8), lut), d);
+        for (int t = 0; t < nt; ++t) {
+          const float* x = a.x + static_cast<uint64_t>(t0 + t) * a.ldx + b * kMxfp4;
+          acc[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), acc[t]);
+          acc[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), acc[t]);
+          acc[t] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x + 16), acc[t]);
+          acc[t] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x + 24), acc[t]);
+        }
+      }
+      for (int t = 0; t < nt; ++t) {
+        float s = reduce(acc[t]);
+        if (whole < blocks) {  // the partial last block
+          const float* x = a.x + static_cast<uint64_t>(t0 + t) * a.ldx + whole * kMxfp4;
+          const uint8_t* p = row + whole * 16;
+          float part = 0.f;
+          for (int j = 0; j < a.cols - whole * kMxfp4; ++j) part += kE2m1[(p[j / 2] >> (4 * (j & 1))) & 0xF] * x[j];
+          s += e8m0_to_f32(rs[whole]) * part;
+        }
+        a.y[static_cast<uint64_t>(t0 + t) * a.ldy + r] = s;
+      }
+    }
+  }
+}
+
 }  // namespace
 
-IsaKernels avx2_kernels() { return {q4_avx2, fp8_avx2}; }
-IsaKernels avx2_int8_kernels() { return {q4_avx2_int8, fp8_avx2}; }
+IsaKernels avx2_kernels() { return {q4_avx2, fp8_avx2, mxfp4_avx2}; }
+IsaKernels avx2_int8_kernels() { return {q4_avx2_int8, fp8_avx2, mxfp4_avx2}; }
 
 }  // namespace mosaic

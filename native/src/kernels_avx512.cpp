@@ -304,9 +304,45 @@ MOSAIC_VNNI void q4_vnni(const MatvecArgs& a) {
   }
 }
 
+// MXFP4 in float: a block's 32 codes (byte j: elements 2j and 2j + 1) through the E2M1 table with one
+// vpermps per 16, times the block's power-of-two scale.
+MOSAIC_AVX512 void mxfp4_avx512(const MatvecArgs& a) {
+  const int blocks = (a.cols + kMxfp4 - 1) / kMxfp4;
+  const auto* scales = static_cast<const uint8_t*>(a.scales);
+  const __m512 lut = _mm512_loadu_ps(kE2m1);
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int r = 0; r < a.rows; ++r) {
+    const uint8_t* row = a.codes + static_cast<uint64_t>(r) * blocks * kQ4Bytes;
+    const uint8_t* rs = scales + static_cast<uint64_t>(r) * blocks;
+    for (int t0 = 0; t0 < a.n; t0 += kTokTile) {
+      const int nt = std::min(kTokTile, a.n - t0);
+      __m512 acc[kTokTile];
+      for (int t = 0; t < kTokTile; ++t) acc[t] = _mm512_setzero_ps();
+      for (int b = 0; b < blocks; ++b) {
+        if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + b * 16 + kPrefetch), _MM_HINT_T0);
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
+        const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+        const __m512 w0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), lut);
+        const __m512 w1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)), lut);
+        const __m512 d = _mm512_set1_ps(e8m0_to_f32(rs[b]));
+        const int c = b * kMxfp4, len = std::min(kMxfp4, a.cols - c);
+        const __mmask16 m0 = len >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << len) - 1);
+        const __mmask16 m1 = len >= 32 ? 0xFFFF : (len <= 16 ? 0 : static_cast<__mmask16>((1u << (len - 16)) - 1));
+        for (int t = 0; t < nt; ++t) {
+          const float* x = a.x + static_cast<uint64_t>(t0 + t) * a.ldx + c;
+          const __m512 dot = _mm512_fmadd_ps(w1, _mm512_maskz_loadu_ps(m1, x + 16),
+                                             _mm512_mul_ps(w0, _mm512_maskz_loadu_ps(m0, x)));
+          acc[t] = _mm512_fmadd_ps(dot, d, acc[t]);
+        }
+      }
+      for (int t = 0; t < nt; ++t) a.y[static_cast<uint64_t>(t0 + t) * a.ldy + r] = reduce(acc[t]);
+    }
+  }
+}
+
 }  // namespace
 
-IsaKernels avx512_kernels() { return {q4_avx512, fp8_avx512}; }
-IsaKernels avx512_vnni_kernels() { return {q4_vnni, fp8_avx512}; }
+IsaKernels avx512_kernels() { return {q4_avx512, fp8_avx512, mxfp4_avx512}; }
+IsaKernels avx512_vnni_kernels() { return {q4_vnni, fp8_avx512, mxfp4_avx512}; }
 
 }  // namespace mosaic

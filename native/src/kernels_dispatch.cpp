@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <stdexcept>
 #include <vector>
 
 #include "mosaic/kernels.h"
@@ -81,6 +82,15 @@ IsaKernels kernels_for(Isa isa) {
   }
 }
 
+ExpertFormat::ExpertFormat(uint32_t quant, uint32_t scale_dtype, uint32_t hidden, uint32_t intermediate, bool bias,
+                           int activation, float alpha, float limit) {
+  if (quant < 1 || quant > 3 || scale_dtype < 1 || scale_dtype > 4 || hidden == 0 || intermediate == 0)
+    throw std::invalid_argument("ExpertFormat: unknown quant type or scale dtype, or an empty geometry");
+  if (activation < 0 || activation > 1) throw std::invalid_argument("ExpertFormat: unknown activation");
+  layout = record_layout(QuantType(quant), ScaleDtype(scale_dtype), hidden, intermediate, bias);
+  act = {ExpertActivation::Kind(activation), alpha, limit};
+}
+
 // Scratch: [task outputs: total_rows x H] then per thread [x rows: max_n x H][gate: max_n x I][up: max_n x I];
 // a decode-shaped call (one row a task) may instead take [gate, up: 2 x I] per task (moe_decode_staged).
 uint64_t moe_scratch_floats(const RecordLayout& layout, int total_rows, int max_rows_per_task, int threads) {
@@ -108,6 +118,16 @@ struct DriverState {
 
 using Clock = std::chrono::steady_clock;
 
+// rows [r0, r1) of each of n output rows (`width` floats apart) += the record's bias plane.
+void add_bias(const uint8_t* record, const Plane& bias, float* out, int n, int width, int r0 = 0, int r1 = -1) {
+  const auto* b = reinterpret_cast<const float*>(record + bias.offset);  // planes sit on 64-byte boundaries
+  if (r1 < 0) r1 = width;
+  for (int t = 0; t < n; ++t) {
+    float* o = out + static_cast<uint64_t>(t) * width;
+    for (int r = r0; r < r1; ++r) o[r] += b[r];
+  }
+}
+
 double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 }  // namespace
@@ -117,14 +137,15 @@ double seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 // rows, so the threads share the last expert instead of one of them running it alone: whole experts left
 // the threads idle 4 % of the MoE time, waiting on each other's last one. Every row is computed as in
 // moe_experts, so the sums are bit for bit its own.
-void moe_decode_staged(const RecordLayout& layout, QuantType quant, MatvecFn matvec, ScaleDtype sdt, const float* x,
+void moe_decode_staged(const RecordLayout& layout, const ExpertActivation& act, MatvecFn matvec, const float* x,
                        int hidden, const ExpertTask* tasks, int n_tasks, float* y, float* scratch, int threads) {
   const Plane *gc = &layout.planes[0], *gs = &layout.planes[1], *uc = &layout.planes[2], *us = &layout.planes[3];
   const Plane *dc = &layout.planes[4], *ds = &layout.planes[5];
+  const ScaleDtype sdt = layout.scale_dtype;
   const int inter = static_cast<int>(gc->rows);
   // The down projection's rows split where a scale row starts (FP8: a 128-row block); the second half is
   // empty when the first takes them all.
-  const int rows_per_scale_row = quant == QuantType::Q4_G32 ? 1 : kFp8;
+  const int rows_per_scale_row = layout.quant == QuantType::FP8_B128 ? kFp8 : 1;
   const int align = std::max(16, rows_per_scale_row);
   const int half = std::min(hidden, (hidden / 2 + align - 1) / align * align);
   const uint64_t code_row_bytes = dc->nbytes / dc->rows, scale_row_bytes = ds->nbytes / ds->rows;
@@ -163,17 +184,25 @@ void moe_decode_staged(const RecordLayout& layout, QuantType quant, MatvecFn mat
     float* g = gu + static_cast<uint64_t>(t) * 2 * inter;
     float* u = g + inter;
     if (stage < 2) {
-      if (stage == 0) matvec({rec + gc->offset, rec + gs->offset, sdt, inter, hidden, xt, hidden, 1, g, inter});
-      else matvec({rec + uc->offset, rec + us->offset, sdt, inter, hidden, xt, hidden, 1, u, inter});
+      if (stage == 0) {
+        matvec({rec + gc->offset, rec + gs->offset, sdt, inter, hidden, xt, hidden, 1, g, inter});
+        if (layout.bias) add_bias(rec, layout.planes[6], g, 1, inter);
+      } else {
+        matvec({rec + uc->offset, rec + us->offset, sdt, inter, hidden, xt, hidden, 1, u, inter});
+        if (layout.bias) add_bias(rec, layout.planes[7], u, 1, inter);
+      }
       if (ready[t].fetch_add(1, std::memory_order_acq_rel) == 1) {  // the second of the two: the activation
-        for (int i = 0; i < inter; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+        apply_activation(act, g, u, inter);
         ready[t].store(3, std::memory_order_release);
       }
     } else {
       const int r0 = stage == 2 ? 0 : half, r1 = stage == 2 ? half : hidden;
-      if (r1 > r0)
+      float* out = outs + static_cast<uint64_t>(t) * hidden;
+      if (r1 > r0) {
         matvec({rec + dc->offset + r0 * code_row_bytes, rec + ds->offset + (r0 / rows_per_scale_row) * scale_row_bytes,
-                sdt, r1 - r0, inter, g, inter, 1, outs + static_cast<uint64_t>(t) * hidden + r0, hidden});
+                sdt, r1 - r0, inter, g, inter, 1, out + r0, hidden});
+        if (layout.bias) add_bias(rec, layout.planes[8], out, 1, hidden, r0, r1);
+      }
     }
     left.fetch_sub(1, std::memory_order_acq_rel);
   }
@@ -185,23 +214,22 @@ void moe_decode_staged(const RecordLayout& layout, QuantType quant, MatvecFn mat
   }
 }
 
-int moe_experts(const RecordLayout& layout, QuantType quant, const float* x, int hidden, const ExpertTask* tasks,
-                int n_tasks, float* y, float* scratch, Isa isa, int threads, const Arrivals* arrivals,
-                MoeTiming* timing) {
+int moe_experts(const RecordLayout& layout, const ExpertActivation& act, const float* x, int hidden,
+                const ExpertTask* tasks, int n_tasks, float* y, float* scratch, Isa isa, int threads,
+                const Arrivals* arrivals, MoeTiming* timing) {
   const Clock::time_point start = Clock::now();
-  const IsaKernels k = kernels_for(isa);
-  const MatvecFn matvec = quant == QuantType::Q4_G32 ? k.q4 : k.fp8;
+  const MatvecFn matvec = kernels_for(isa).of(layout.quant);
   const Plane *gc = &layout.planes[0], *gs = &layout.planes[1], *uc = &layout.planes[2], *us = &layout.planes[3];
   const Plane *dc = &layout.planes[4], *ds = &layout.planes[5];
   const int inter = static_cast<int>(gc->rows);
-  const ScaleDtype sdt = quant == QuantType::Q4_G32 ? ScaleDtype::F16 : layout.scale_dtype;
+  const ScaleDtype sdt = layout.scale_dtype;
   auto ready = [&](int t) {
     return tasks[t].slot < 0 || arrivals == nullptr ? RecordStatus::Ready : arrivals->status(tasks[t].slot);
   };
   bool one_row = true;  // every task one row and every record already here: the staged driver
   for (int t = 0; t < n_tasks && one_row; ++t) one_row = tasks[t].n == 1 && ready(t) == RecordStatus::Ready;
   if (one_row) {
-    moe_decode_staged(layout, quant, matvec, sdt, x, hidden, tasks, n_tasks, y, scratch, threads);
+    moe_decode_staged(layout, act, matvec, x, hidden, tasks, n_tasks, y, scratch, threads);
     if (timing) timing->wait_s = 0.0, timing->total_s = seconds(Clock::now() - start);
     return -1;
   }
@@ -261,11 +289,16 @@ int moe_experts(const RecordLayout& layout, QuantType quant, const float* x, int
         std::memcpy(xs + static_cast<uint64_t>(i) * hidden, x + static_cast<uint64_t>(task.tokens[i]) * hidden,
                     sizeof(float) * hidden);
       const uint8_t* rec = task.record;
+      float* out = outs + shared->first_row[pick] * hidden;
       matvec({rec + gc->offset, rec + gs->offset, sdt, inter, hidden, xs, hidden, task.n, g, inter});
       matvec({rec + uc->offset, rec + us->offset, sdt, inter, hidden, xs, hidden, task.n, u, inter});
-      for (uint64_t i = 0; i < static_cast<uint64_t>(task.n) * inter; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-      matvec({rec + dc->offset, rec + ds->offset, sdt, hidden, inter, g, inter, task.n,
-              outs + shared->first_row[pick] * hidden, hidden});
+      if (layout.bias) {
+        add_bias(rec, layout.planes[6], g, task.n, inter);
+        add_bias(rec, layout.planes[7], u, task.n, inter);
+      }
+      apply_activation(act, g, u, static_cast<uint64_t>(task.n) * inter);
+      matvec({rec + dc->offset, rec + ds->offset, sdt, hidden, inter, g, inter, task.n, out, hidden});
+      if (layout.bias) add_bias(rec, layout.planes[8], out, task.n, hidden);
     }
   }
   if (timing) {

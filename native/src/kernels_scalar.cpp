@@ -70,8 +70,33 @@ void fp8_scalar(const MatvecArgs& a) {
   }
 }
 
+// MXFP4: byte j of a block holds elements 2j (low nibble) and 2j + 1 (high nibble); w = e2m1 * 2^(s - 127).
+void mxfp4_scalar(const MatvecArgs& a) {
+  const int blocks = (a.cols + kMxfp4 - 1) / kMxfp4;
+  const auto* scales = static_cast<const uint8_t*>(a.scales);
+  float w[kMxfp4];
+  for (int r = 0; r < a.rows; ++r) {
+    const uint8_t* row = a.codes + static_cast<uint64_t>(r) * blocks * kQ4Bytes;
+    for (int t = 0; t < a.n; ++t) a.y[static_cast<uint64_t>(t) * a.ldy + r] = 0.f;
+    for (int b = 0; b < blocks; ++b) {
+      const float d = e8m0_to_f32(scales[static_cast<uint64_t>(r) * blocks + b]);
+      for (int j = 0; j < 16; ++j) {
+        w[2 * j] = kE2m1[row[b * 16 + j] & 0xF];
+        w[2 * j + 1] = kE2m1[row[b * 16 + j] >> 4];
+      }
+      const int len = (b + 1) * kMxfp4 <= a.cols ? kMxfp4 : a.cols - b * kMxfp4;
+      for (int t = 0; t < a.n; ++t) {
+        const float* x = a.x + static_cast<uint64_t>(t) * a.ldx + b * kMxfp4;
+        float s = 0.f;
+        for (int j = 0; j < len; ++j) s += w[j] * x[j];
+        a.y[static_cast<uint64_t>(t) * a.ldy + r] += d * s;
+      }
+    }
+  }
+}
+
 }  // namespace
 
-IsaKernels scalar_kernels() { return {q4_scalar, fp8_scalar}; }
+IsaKernels scalar_kernels() { return {q4_scalar, fp8_scalar, mxfp4_scalar}; }
 
 }  // namespace mosaic

@@ -130,7 +130,7 @@ struct DecodeHead {
 // The routed experts' side of decode_layers: records held in an expert ring.
 struct LoopExperts {
   RecordLayout layout;
-  QuantType quant;
+  ExpertActivation act;
   Isa isa;
   int threads;
   const ExpertRing* ring;

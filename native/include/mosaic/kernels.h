@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 
 #include "mosaic/vault_format.h"
@@ -13,6 +14,12 @@ namespace mosaic {
 inline constexpr int kQ4 = static_cast<int>(kQ4Block);
 inline constexpr int kQ4Bytes = static_cast<int>(kQ4BlockBytes);
 inline constexpr int kFp8 = static_cast<int>(kFp8Block);
+inline constexpr int kMxfp4 = static_cast<int>(kMxfp4Block);
+static_assert(kMxfp4Block == kQ4Block && kMxfp4BlockBytes == kQ4BlockBytes, "MXFP4 and Q4 blocks share a shape");
+
+// E2M1 (MXFP4) values by code: sign bit 8, then 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+inline constexpr float kE2m1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                    -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
 
 // Avx512Vnni and Avx2Int8 are opt-in: their Q4 kernels quantise activations to int8 (kernels_avx512.cpp,
 // kernels_avx2.cpp), so neither is what best_isa() returns; everything else they run is their vector ISA's
@@ -29,7 +36,7 @@ inline Isa vector_isa(Isa isa) {
 // but with its own vector width, so ISAs agree to float rounding, not bit for bit.
 struct MatvecArgs {
   const uint8_t* codes;   // codes plane
-  const void* scales;     // scales plane (f16 for Q4_G32; bf16 or f32 for FP8_B128)
+  const void* scales;     // scales plane (f16 for Q4_G32; bf16 or f32 for FP8_B128; E8M0 bytes for MXFP4_G32)
   ScaleDtype scale_dtype;
   int rows, cols;
   const float* x; int ldx;
@@ -42,7 +49,31 @@ using MatvecFn = void (*)(const MatvecArgs&);
 struct IsaKernels {
   MatvecFn q4;
   MatvecFn fp8;
+  MatvecFn mxfp4;
+  MatvecFn of(QuantType quant) const {
+    return quant == QuantType::Q4_G32 ? q4 : quant == QuantType::MXFP4_G32 ? mxfp4 : fp8;
+  }
 };
+
+// How an expert joins its gate and up projections (the recipe's FFN activation):
+//   Silu:          silu(gate) * up
+//   ClampedSwiglu: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit) (gpt-oss)
+struct ExpertActivation {
+  enum class Kind : int { Silu = 0, ClampedSwiglu = 1 } kind = Kind::Silu;
+  float alpha = 1.f, limit = 0.f;
+};
+
+// A vault's experts as the kernels run them: its record layout and the recipe's activation.
+struct ExpertFormat {
+  RecordLayout layout;
+  ExpertActivation act;
+  ExpertFormat() = default;
+  ExpertFormat(uint32_t quant, uint32_t scale_dtype, uint32_t hidden, uint32_t intermediate, bool bias,
+               int activation, float alpha, float limit);  // checked: throws for unknown codes (bindings)
+};
+
+// g[i] = act(g[i], u[i]) for i < n, in place.
+inline void apply_activation(const ExpertActivation& act, float* g, const float* u, uint64_t n);
 
 IsaKernels scalar_kernels();
 IsaKernels avx2_kernels();
@@ -91,9 +122,10 @@ struct MoeTiming {
 // and is added to Y in task order, so the result never depends on the thread count or on arrival order.
 // Returns -1, or the index of a task whose record failed to arrive: then Y is left untouched and the call
 // returns once every other task is done. scratch: at least moe_scratch_floats(...) floats, allocated once.
-int moe_experts(const RecordLayout& layout, QuantType quant, const float* x, int hidden, const ExpertTask* tasks,
-                int n_tasks, float* y, float* scratch, Isa isa, int threads, const Arrivals* arrivals = nullptr,
-                MoeTiming* timing = nullptr);
+// Each expert computes down(act(gate x + b_gate, up x + b_up)) + b_down, the biases when the layout has them.
+int moe_experts(const RecordLayout& layout, const ExpertActivation& act, const float* x, int hidden,
+                const ExpertTask* tasks, int n_tasks, float* y, float* scratch, Isa isa, int threads,
+                const Arrivals* arrivals = nullptr, MoeTiming* timing = nullptr);
 uint64_t moe_scratch_floats(const RecordLayout& layout, int total_rows, int max_rows_per_task, int threads);
 
 // Y[n, rows] = X[n, cols] @ W.T with W in bf16 [rows, cols], float32 accumulation; rows over threads.
@@ -141,11 +173,30 @@ inline float bf16_to_f32(uint16_t h) {  // exact: bf16 is float32's upper half
   return v;
 }
 float e4m3_to_f32(uint8_t b);
+inline float e8m0_to_f32(uint8_t s) {  // 2^(s - 127); 255 is NaN
+  const uint32_t bits = s == 255 ? 0x7FC00000u : s == 0 ? 0x00400000u : static_cast<uint32_t>(s) << 23;
+  float v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
 inline float scale_at(const void* scales, ScaleDtype d, uint64_t i) {
   switch (d) {
     case ScaleDtype::F32: return static_cast<const float*>(scales)[i];
     case ScaleDtype::BF16: return bf16_to_f32(static_cast<const uint16_t*>(scales)[i]);
     default: return f16_to_f32(static_cast<const uint16_t*>(scales)[i]);
+  }
+}
+
+inline void apply_activation(const ExpertActivation& act, float* g, const float* u, uint64_t n) {
+  if (act.kind == ExpertActivation::Kind::Silu) {
+    for (uint64_t i = 0; i < n; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    return;
+  }
+  const float lim = act.limit, alpha = act.alpha;
+  for (uint64_t i = 0; i < n; ++i) {
+    const float gi = g[i] < lim ? g[i] : lim;  // NaN stays NaN, as torch.clamp
+    const float ui = u[i] < -lim ? -lim : u[i] > lim ? lim : u[i];
+    g[i] = (ui + 1.f) * (gi / (1.f + std::exp(-alpha * gi)));
   }
 }
 

@@ -11,7 +11,7 @@ namespace mosaic {
 // --- constants (vault_format.md §2) -------------------------------------------------------------
 inline constexpr char kVaultMagic[8] = {'M', 'O', 'S', 'A', 'I', 'C', 'V', '\0'};  // 8 bytes at 0
 inline constexpr uint16_t kVersionMajor = 1;
-inline constexpr uint16_t kVersionMinor = 2;
+inline constexpr uint16_t kVersionMinor = 3;
 inline constexpr uint32_t kHeaderSize = 128;
 inline constexpr uint32_t kPageSize = 16384;     // records start on and span whole 16 KiB pages
 inline constexpr uint32_t kPlaneAlign = 64;      // planes inside a record start on a cache line
@@ -20,10 +20,15 @@ inline constexpr uint32_t kQ4Block = 32;         // weights per f16 scale, along
 inline constexpr uint32_t kQ4BlockBytes = 16;    // nibbles of one block
 inline constexpr uint32_t kQ4Zero = 8;           // w = d * (q - 8)
 inline constexpr uint32_t kFp8Block = 128;       // FP8 scales cover 128 x 128 tiles
+inline constexpr uint32_t kMxfp4Block = 32;      // weights per E8M0 scale, along the input dim
+inline constexpr uint32_t kMxfp4BlockBytes = 16; // E2M1 codes of one block, two a byte
+inline constexpr uint32_t kE8m0Bias = 127;       // an E8M0 scale s is 2^(s - 127)
+inline constexpr uint32_t kFlagExpertBias = 1;   // header flag: records end with float32 biases (§4.4)
 
-enum class QuantType : uint32_t { Q4_G32 = 1, FP8_B128 = 2 };
-enum class ScaleDtype : uint32_t { F16 = 1, BF16 = 2, F32 = 3 };
+enum class QuantType : uint32_t { Q4_G32 = 1, FP8_B128 = 2, MXFP4_G32 = 3 };
+enum class ScaleDtype : uint32_t { F16 = 1, BF16 = 2, F32 = 3, E8M0 = 4 };
 enum class Projection : uint32_t { Gate = 0, Up = 1, Down = 2 };  // record order (§4)
+enum class PlaneKind : uint32_t { Codes = 0, Scales = 1, Bias = 2 };
 
 // --- fixed header (§3), little-endian, packed as written on disk --------------------------------
 #pragma pack(push, 1)
@@ -41,7 +46,7 @@ struct VaultHeaderV1 {
   uint32_t moe_intermediate_size;  // I
   uint32_t num_records;     // MoE layers x experts
   uint32_t record_bytes;    // every record, a multiple of page_size
-  uint32_t flags;           // 0 in v1
+  uint32_t flags;           // kFlagExpertBias or 0
   uint64_t arch_offset;     // = header_size
   uint64_t arch_length;
   uint64_t lineage_offset;  // = arch_offset + arch_length
@@ -69,21 +74,24 @@ static_assert(sizeof(IndexEntryV1) == kIndexEntrySize, "index entry is 32 bytes"
 // --- record layout (§4) -------------------------------------------------------------------------
 struct Plane {
   Projection projection;
-  bool is_scales;      // false: codes plane, true: scales plane
+  PlaneKind kind;
   uint64_t offset;     // from the start of the record
   uint64_t nbytes;
-  uint64_t rows, cols; // codes: [rows, bytes per row]; scales: [scale rows, scale cols]
+  uint64_t rows, cols; // codes: [rows, bytes per row]; scales: [scale rows, scale cols]; bias: [1, rows]
 };
 
 struct RecordLayout {
+  QuantType quant;
   ScaleDtype scale_dtype;
-  std::vector<Plane> planes;  // gate codes, gate scales, up codes, up scales, down codes, down scales
+  bool bias;                  // kFlagExpertBias: planes 6-8 are the float32 biases of gate, up and down
+  std::vector<Plane> planes;  // gate codes, gate scales, up codes, up scales, down codes, down scales[, biases]
   uint64_t payload_bytes;
   uint64_t record_bytes;
 };
 
 constexpr uint64_t align_up(uint64_t x, uint64_t n) { return (x + n - 1) / n * n; }
 uint32_t scale_itemsize(ScaleDtype d);
-RecordLayout record_layout(QuantType quant, ScaleDtype scale_dtype, uint32_t hidden, uint32_t intermediate);
+RecordLayout record_layout(QuantType quant, ScaleDtype scale_dtype, uint32_t hidden, uint32_t intermediate,
+                           bool bias = false);
 
 }  // namespace mosaic
