@@ -22,11 +22,15 @@ class UnsupportedModel(Exception):
 class Role:
     """What a checkpoint tensor is to the converter."""
 
-    kind: str  # "backbone" | "expert" | "fused_gate_up" | "fused_down" | "scale" | "drop"
+    kind: str  # "backbone" | "expert" | "fused_gate_up" | "fused_down" | "expert_bias" | "scale" | "drop"
     layer: int | None = None
     expert: int | None = None
-    projection: str | None = None  # gate | up | down, for kind == "expert"
+    projection: str | None = None  # gate | up | down for kind "expert"; gate_up | down for "expert_bias"
     part: str | None = None  # for kind == "drop": the optional part it belongs to (OPTIONAL_PARTS)
+    # For fused kinds: how the experts sit in the 3-D tensor. "halves": [E, 2I, H] gate rows then up rows,
+    # [E, H, I] (Qwen3.5); "interleaved": gate and up rows alternate (even gate, odd up), and a float tensor
+    # is stored transposed, [E, H, 2I] and [E, I, H], while MXFP4 blocks are [E, rows, cols / 32, 16] (gpt-oss)
+    fused: str = "halves"
 
 
 # Parts of a checkpoint that text generation does not use; left out unless asked for (`--keep`).
@@ -380,6 +384,52 @@ def qwen3_5_moe_text_arch(cfg: dict, generation_cfg: dict | None) -> dict:
     return _hybrid_arch(cfg, generation_cfg, model_type="qwen3_5_moe_text", fused_projections=False, always_moe=True)
 
 
+# --- gpt_oss (attention sinks, alternating sliding windows, MXFP4 experts with biases) ------------------
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # transformers' GptOssConfig defaults (the released configs omit alpha)
+
+
+def gpt_oss_arch(cfg: dict, generation_cfg: dict | None) -> dict:
+    """gpt-oss-20b / 120b: every layer MoE, the expert width is `intermediate_size`; biases on q, k, v and o;
+    a learned sink logit per query head; layers alternating a sliding window and full attention
+    (`layer_types`); a router with a bias whose top-k logits are softmaxed (the same weights as a softmax
+    over all, renormalised over the top k); experts with biases and a clamped SwiGLU."""
+    n_layers = _layers(cfg)
+    bias = bool(cfg.get("attention_bias", True))
+    types = list(cfg.get("layer_types") or  # transformers' default: sliding windows on the even layers
+                 ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)])
+    if len(types) != n_layers:
+        raise UnsupportedModel(f"layer_types has {len(types)} entries for {n_layers} layers")
+    arch = decoder_arch(cfg, generation_cfg, layer_kinds=["moe"] * n_layers, layer_types=types,
+                        num_experts=int(_get(cfg, "num_local_experts", "num_experts")),
+                        moe_intermediate_size=int(cfg["intermediate_size"]), qkv_bias=bias, out_bias=bias,
+                        norm_topk_prob=True, sliding_window=cfg.get("sliding_window"))
+    arch.update({
+        "intermediate_size": 0,  # no dense MLP: intermediate_size is the experts' width
+        "hidden_act": "clamped_swiglu",
+        "swiglu_alpha": float(_get(cfg, "swiglu_alpha", default=SWIGLU_ALPHA)),
+        "swiglu_limit": float(_get(cfg, "swiglu_limit", default=SWIGLU_LIMIT)),
+        "attention_sinks": True,
+        "router_bias": True,
+    })
+    return arch
+
+
+_GPT_OSS_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj(_blocks|_scales|_bias)?$")
+
+
+def gpt_oss_role(name: str) -> Role:
+    """Experts fused per layer, gate and up interleaved: bf16 `gate_up_proj` [E, H, 2I] (transposed) or MXFP4
+    `gate_up_proj_blocks` / `_scales`; biases `gate_up_proj_bias` [E, 2I], `down_proj_bias` [E, H]."""
+    if m := _GPT_OSS_EXPERTS.match(name):
+        layer, proj, suffix = int(m[1]), m[2], m[3]
+        if suffix == "_scales":
+            return Role("scale")
+        if suffix == "_bias":
+            return Role("expert_bias", layer, projection=proj)
+        return Role("fused_gate_up" if proj == "gate_up" else "fused_down", layer, fused="interleaved")
+    return Role("backbone")
+
+
 def qwen3_next_role(name: str) -> Role:
     if name.startswith("mtp."):
         return Role("drop", part="mtp")  # the multi-token-prediction head: text generation does not use it
@@ -424,6 +474,7 @@ ARCHITECTURES = {
     "qwen3_next": Architecture("qwen3_next", qwen3_next_arch, qwen3_next_role),
     "qwen3_5_moe": Architecture("qwen3_5_moe", qwen3_5_moe_arch, qwen3_5_moe_role, qwen3_5_moe_backbone_name),
     "qwen3_5_moe_text": Architecture("qwen3_5_moe_text", qwen3_5_moe_text_arch, qwen3_next_role),
+    "gpt_oss": Architecture("gpt_oss", gpt_oss_arch, gpt_oss_role),
 }
 
 

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from mosaic_runtime.vault.format import (BACKBONE_FILE, FP8_BLOCK, Q4_BLOCK, QUANT_NAMES, VAULT_FILE, QuantType,
-                                         encode_meta, plan_header)
+from mosaic_runtime.vault.format import (BACKBONE_FILE, FP8_BLOCK, MXFP4_BLOCK, Q4_BLOCK, QUANT_NAMES, VAULT_FILE,
+                                         QuantType, encode_meta, plan_header)
 
 from . import __version__
 from .checkpoint import Checkpoint, CheckpointError
@@ -80,6 +80,11 @@ def _quant_params(plan: Plan, quant: QuantType) -> dict:
                     "encoder": "int4 codes copied from the source, scales converted to f16", "passthrough": True}
         return {"scheme": "Q4_G32", "block": Q4_BLOCK, "scale_dtype": "f16", "symmetric": True,
                 "encoder": "q4_0 scale, least-squares refit, keep the better per block"}
+    if quant is QuantType.MXFP4_G32:
+        return {"scheme": "MXFP4_G32", "format": "e2m1", "block": MXFP4_BLOCK, "scale_dtype": "e8m0",
+                "passthrough": plan.passthrough(quant), "expert_bias": plan.expert_bias,
+                "encoder": "codes and scales copied from the source" if plan.passthrough(quant) else
+                "OCP shared exponent or one above, whichever errs less per block; E2M1 round to nearest even"}
     return {"scheme": "FP8_B128", "format": "e4m3fn", "block": [FP8_BLOCK, FP8_BLOCK],
             "scale_dtype": plan.scale_dtype(quant).name.lower(), "passthrough": plan.fp8_passthrough()}
 
@@ -189,7 +194,7 @@ def convert(source: str, out: str | os.PathLike, quant: str, *, revision: str | 
         pending = encode_meta(lineage_block(ckpt, plan, qtype, {}, partial.created, backbone))
         header = plan_header(qtype, plan.scale_dtype(qtype), plan.arch["num_hidden_layers"],
                              plan.arch["num_experts"], plan.hidden, plan.intermediate, len(keys), len(arch),
-                             len(pending))
+                             len(pending), plan.expert_bias)
         writer = VaultWriter(tmp / VAULT_FILE, header, keys, resume=partial.resumed)
         unjournaled: list[tuple[int, int]] = []  # written, not yet made durable and journaled
         try:

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import torch
 
-from mosaic_runtime.vault.format import PROJECTIONS, QuantType, RecordLayout
-from mosaic_runtime.vault.quant import dequantize_fp8, quantize_fp8, quantize_q4
+from mosaic_runtime.vault.format import PROJECTIONS, QuantType, RecordLayout, projection_shape
+from mosaic_runtime.vault.quant import dequantize_fp8, dequantize_mxfp4, quantize_fp8, quantize_mxfp4, quantize_q4
 from mosaic_runtime.vault.record import pack_record
 
-from . import int4_source
+from . import int4_source, mxfp4_source
 from .checkpoint import Checkpoint
 from .plan import ProjectionSource
+
+# one thread a projection: convert runs experts on several workers already
+_QUANTIZE = {QuantType.Q4_G32: lambda w: quantize_q4(w, threads=1),
+             QuantType.FP8_B128: lambda w: quantize_fp8(w, threads=1),
+             QuantType.MXFP4_G32: quantize_mxfp4}
 
 
 def encode_expert(ckpt: Checkpoint, sources: dict[str, ProjectionSource], layout: RecordLayout,
@@ -19,24 +24,43 @@ def encode_expert(ckpt: Checkpoint, sources: dict[str, ProjectionSource], layout
 
     Args:
         passthrough: the source's codes go into the vault as they are, never re-quantised: an FP8 source
-            with the same 128 x 128 blocks into an FP8 vault (codes and scales bit for bit), or packed
-            int4 in groups of 32 into a Q4 vault (int4_source.as_q4).
+            with the same 128 x 128 blocks into an FP8 vault (codes and scales bit for bit), packed int4 in
+            groups of 32 into a Q4 vault (int4_source.as_q4), MXFP4 blocks into an MXFP4 vault.
     """
-    planes = {}
+    reads: dict[tuple, torch.Tensor] = {}
+
+    def read(name: str, index: tuple) -> torch.Tensor:  # gate and up may share one interleaved read
+        if (name, index) not in reads:
+            reads[(name, index)] = ckpt.read(name, index)
+        return reads[(name, index)]
+
+    planes, biases = {}, {}
     for proj in PROJECTIONS:
         src = sources[proj]
-        weight = ckpt.read(src.tensor, src.index)  # [rows, cols] as nn.Linear stores it
-        int4 = src.tensor.endswith(int4_source.PACKED)
-        if passthrough:
-            scale = ckpt.read(src.scale).contiguous()
-            planes[proj] = int4_source.as_q4(weight, scale) if int4 else (weight.view(torch.uint8).contiguous(), scale)
-            continue
-        if int4:
-            weight = int4_source.dequantize(weight, ckpt.read(src.scale))
-        elif src.scale is not None:
-            weight = dequantize_fp8(weight, ckpt.read(src.scale))
-        # one thread a projection: convert runs experts on several workers already; bf16 goes to the
-        # encoders as stored
-        quantize = quantize_q4 if layout.quant is QuantType.Q4_G32 else quantize_fp8
-        planes[proj] = quantize(weight, threads=1)
-    return pack_record(layout, planes)
+        rows = src.rows if src.rows is not None else slice(None)
+        if src.bias is not None:
+            biases[proj] = read(src.bias, src.index)[rows].float()
+        if src.tensor.endswith(mxfp4_source.BLOCKS):
+            codes, scales = mxfp4_source.as_planes(read(src.tensor, src.index)[rows], read(src.scale, src.index)[rows])
+            if passthrough:
+                planes[proj] = codes, scales
+                continue
+            weight = dequantize_mxfp4(codes, scales, projection_shape(proj, layout.hidden, layout.intermediate)[1])
+        else:
+            weight = read(src.tensor, src.index)  # [rows, cols] as nn.Linear stores it, or [cols, rows]
+            if src.transposed:
+                weight = weight.T
+            weight = weight[rows]
+            int4 = src.tensor.endswith(int4_source.PACKED)
+            if passthrough:
+                scale = ckpt.read(src.scale).contiguous()
+                planes[proj] = int4_source.as_q4(weight, scale) if int4 else (weight.view(torch.uint8).contiguous(),
+                                                                              scale)
+                continue
+            if int4:
+                weight = int4_source.dequantize(weight, ckpt.read(src.scale))
+            elif src.scale is not None:
+                weight = dequantize_fp8(weight, ckpt.read(src.scale))
+        # bf16 goes to the encoders as stored (a strided view is copied once there)
+        planes[proj] = _QUANTIZE[layout.quant](weight.contiguous())
+    return pack_record(layout, planes, biases if layout.bias else None)

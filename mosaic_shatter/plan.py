@@ -14,12 +14,13 @@ from mosaic_runtime.vault.format import (PROJECTIONS, QuantType, ScaleDtype, enc
                                          projection_shape, record_layout)
 
 from .architectures import Architecture, Role, UnsupportedModel, architecture_for
-from . import int4_source
+from . import int4_source, mxfp4_source
 from .checkpoint import DTYPE_BYTES, Checkpoint, TensorInfo
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 FP8_DTYPE = "F8_E4M3"
 INT4_DTYPE = "INT4_G32"  # compressed-tensors pack-quantized int4 (int4_source): stored as I32 words
+MXFP4_DTYPE = "MXFP4"  # OCP MXFP4 blocks and E8M0 scales (mxfp4_source): stored as U8
 SCALE_DTYPES = {"BF16": ScaleDtype.BF16, "F32": ScaleDtype.F32}
 CHUNK_BYTES = 64 << 20  # backbone tensors are converted in chunks of about this many bytes
 BASELINE_RAM = 600 << 20  # Python, torch and the safetensors handles, measured in benchmarks/
@@ -32,7 +33,10 @@ class ProjectionSource:
 
     tensor: str
     index: tuple = ()  # slice of the source tensor: () whole, (e,) or (e, slice) for fused tensors
-    scale: str | None = None  # block-FP8 weight_scale_inv tensor, if any
+    scale: str | None = None  # block-FP8 weight_scale_inv, int4 weight_scale or MXFP4 _scales tensor, if any
+    rows: slice | None = None  # the rows of what `index` reads that are this projection (interleaved gate/up)
+    transposed: bool = False  # the source holds it [in, out] (gpt-oss's float experts)
+    bias: str | None = None  # the projection's bias, read at the same index and rows
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,7 @@ class Plan:
     backbone: list[BackboneTensor] = field(default_factory=list)
     dropped: dict[str, str] = field(default_factory=dict)  # tensor left out -> its part (OPTIONAL_PARTS)
     problems: list[str] = field(default_factory=list)
+    expert_bias: bool = False  # every expert has biases: the vault's records carry them (FLAG_EXPERT_BIAS)
 
     @property
     def hidden(self) -> int:
@@ -79,25 +84,30 @@ class Plan:
 
     def passthrough(self, quant: QuantType) -> bool:
         """The source's expert codes go into a vault of this quant type as they are: FP8 blocks into FP8,
-        packed int4 in groups of 32 into Q4 (int4_source)."""
+        packed int4 in groups of 32 into Q4 (int4_source), MXFP4 blocks into MXFP4 (mxfp4_source)."""
         if quant is QuantType.FP8_B128:
             return self.fp8_passthrough()
+        if quant is QuantType.MXFP4_G32:
+            return self.source_format["expert_dtype"] == MXFP4_DTYPE
         return self.source_format["expert_dtype"] == INT4_DTYPE
 
     def scale_dtype(self, quant: QuantType) -> ScaleDtype:
         if quant is QuantType.Q4_G32:
             return ScaleDtype.F16
+        if quant is QuantType.MXFP4_G32:
+            return ScaleDtype.E8M0
         if self.fp8_passthrough():
             return SCALE_DTYPES[self.source_format["fp8_scale_dtype"]]
         return ScaleDtype.F32
 
     def record_bytes(self, quant: QuantType) -> int:
-        return record_layout(quant, self.scale_dtype(quant), self.hidden, self.intermediate).record_bytes
+        return record_layout(quant, self.scale_dtype(quant), self.hidden, self.intermediate,
+                             self.expert_bias).record_bytes
 
     def vault_bytes(self, quant: QuantType, lineage_length: int = LINEAGE_ALLOWANCE) -> int:
         header = plan_header(quant, self.scale_dtype(quant), self.arch["num_hidden_layers"],
                              self.arch["num_experts"], self.hidden, self.intermediate, len(self.experts),
-                             len(encode_meta(self.arch)), lineage_length)
+                             len(encode_meta(self.arch)), lineage_length, self.expert_bias)
         return header.file_size
 
     @property
@@ -164,9 +174,10 @@ def make_plan(ckpt: Checkpoint, keep: frozenset[str] = frozenset()) -> Plan:
     if int4:
         if problem := int4_source.scheme_problem(qcfg):
             problems.append(problem)
-    elif qcfg and qcfg.get("quant_method") != "fp8":
+    elif qcfg and qcfg.get("quant_method") not in ("fp8", "mxfp4"):
         problems.append(f"quantization_config.quant_method {qcfg.get('quant_method')!r} is not supported "
-                        "(only block-FP8 'fp8', compressed-tensors pack-quantized int4 and unquantised checkpoints)")
+                        "(only block-FP8 'fp8', compressed-tensors pack-quantized int4, MXFP4 'mxfp4' and "
+                        "unquantised checkpoints)")
     if qcfg.get("quant_method") == "fp8" and qcfg.get("fmt", "e4m3") != "e4m3":
         problems.append(f"FP8 format {qcfg.get('fmt')!r} is not supported (only e4m3)")
     fp8_block = qcfg.get("weight_block_size") if qcfg.get("quant_method") == "fp8" else None
@@ -185,12 +196,25 @@ def make_plan(ckpt: Checkpoint, keep: frozenset[str] = frozenset()) -> Plan:
     expert_dtypes, scale_dtypes, layouts = set(), set(), set()
 
     def scale_of(name: str) -> str | None:
-        s = name[: -len(int4_source.PACKED)] + int4_source.SCALE if name.endswith(int4_source.PACKED) \
-            else name + "_scale_inv"
+        if name.endswith(int4_source.PACKED):
+            s = name[: -len(int4_source.PACKED)] + int4_source.SCALE
+        elif name.endswith(mxfp4_source.BLOCKS):
+            s = mxfp4_source.weight_name(name) + mxfp4_source.SCALES
+        else:
+            s = name + "_scale_inv"
         return s if s in ckpt.tensors else None
 
     def logical(name: str, info: TensorInfo) -> tuple[str, tuple[int, ...]]:
-        """(dtype, shape) of the weights a tensor holds: a packed int4 tensor's, unpacked."""
+        """(dtype, shape) of the weights a tensor holds: a packed int4 tensor's, unpacked; MXFP4 blocks'."""
+        if name.endswith(mxfp4_source.BLOCKS):
+            shape = mxfp4_source.logical_shape(info.shape)
+            scale = scale_of(name)
+            if info.dtype != "U8" or shape is None:
+                problems.append(f"{name}: MXFP4 blocks must be U8 [E, rows, cols / 32, 16]")
+                return MXFP4_DTYPE, ()
+            if scale is None or ckpt.tensors[scale].dtype != "U8" or ckpt.tensors[scale].shape != info.shape[:-1]:
+                problems.append(f"{name}: no U8 {mxfp4_source.SCALES} of shape {list(info.shape[:-1])}")
+            return MXFP4_DTYPE, shape
         if not name.endswith(int4_source.PACKED):
             return info.dtype, info.shape
         if info.dtype != "I32" or len(info.shape) != 2:
@@ -203,8 +227,14 @@ def make_plan(ckpt: Checkpoint, keep: frozenset[str] = frozenset()) -> Plan:
             problems.append(f"{name}: no float {int4_source.SCALE} of shape [{rows}, {cols // int4_source.GROUP}]")
         return INT4_DTYPE, (rows, cols)
 
+    biases: dict[tuple[int, str], str] = {}  # (layer, gate_up | down) -> bias tensor
     for name, role in roles.items():
         info = ckpt.tensors[name]
+        if role.kind == "scale" and name.endswith(mxfp4_source.SCALES):
+            continue  # checked with its blocks
+        if role.kind == "expert_bias":
+            biases[(role.layer, role.projection)] = name
+            continue
         if role.kind == "scale":
             weight = name[: -len("_scale_inv")]
             if weight not in ckpt.tensors:
@@ -234,21 +264,28 @@ def make_plan(ckpt: Checkpoint, keep: frozenset[str] = frozenset()) -> Plan:
             per_expert.setdefault((role.layer, role.expert), {})[role.projection] = ProjectionSource(name, (), scale)
         else:
             layouts.add("fused")
-            if dtype in (FP8_DTYPE, INT4_DTYPE):
+            interleaved = role.fused == "interleaved"
+            if dtype in (FP8_DTYPE, INT4_DTYPE) or (dtype == MXFP4_DTYPE and not interleaved):
                 problems.append(f"{name}: fused {dtype} expert tensors are not supported")
                 continue
             fused_up = role.kind == "fused_gate_up"
-            want = (n_experts, 2 * inter, hidden) if fused_up else (n_experts, hidden, inter)
-            if info.shape != want:
-                problems.append(f"{name}: shape {list(info.shape)}, config gives {list(want)}")
+            rows, cols = (2 * inter, hidden) if fused_up else (hidden, inter)
+            transposed = interleaved and dtype != MXFP4_DTYPE  # gpt-oss's float experts: [E, in, out]
+            want = (n_experts, cols, rows) if transposed else (n_experts, rows, cols)
+            if shape != want:
+                problems.append(f"{name}: shape {list(shape)}, config gives {list(want)}")
                 continue
+            scale = scale_of(name) if dtype == MXFP4_DTYPE else None
             for e in range(n_experts):
                 slot = per_expert.setdefault((role.layer, e), {})
-                if fused_up:  # rows [0, I) are gate, [I, 2I) are up
+                if fused_up and interleaved:  # even rows are gate, odd rows up
+                    slot["gate"] = ProjectionSource(name, (e,), scale, slice(0, None, 2), transposed)
+                    slot["up"] = ProjectionSource(name, (e,), scale, slice(1, None, 2), transposed)
+                elif fused_up:  # rows [0, I) are gate, [I, 2I) are up
                     slot["gate"] = ProjectionSource(name, (e, slice(0, inter)))
                     slot["up"] = ProjectionSource(name, (e, slice(inter, 2 * inter)))
                 else:
-                    slot["down"] = ProjectionSource(name, (e,))
+                    slot["down"] = ProjectionSource(name, (e,), scale, None, transposed)
 
     for layer in sorted(moe):
         for e in range(n_experts):
@@ -257,8 +294,10 @@ def make_plan(ckpt: Checkpoint, keep: frozenset[str] = frozenset()) -> Plan:
             if missing:
                 problems.append(f"layer {layer} expert {e}: missing {', '.join(missing)} projection")
     plan.experts = {k: per_expert[k] for k in sorted(per_expert) if len(per_expert[k]) == 3}
+    if biases:
+        _attach_biases(plan, ckpt, biases, problems)
 
-    bad_dtypes = expert_dtypes - set(FLOAT_DTYPES) - {FP8_DTYPE, INT4_DTYPE}
+    bad_dtypes = expert_dtypes - set(FLOAT_DTYPES) - {FP8_DTYPE, INT4_DTYPE, MXFP4_DTYPE}
     if bad_dtypes:
         problems.append(f"expert dtype {', '.join(sorted(bad_dtypes))} is not supported")
     if len(expert_dtypes) > 1:
@@ -271,8 +310,8 @@ def make_plan(ckpt: Checkpoint, keep: frozenset[str] = frozenset()) -> Plan:
     plan.source_format.update({
         "expert_layout": "+".join(sorted(layouts)) or "none",
         "expert_dtype": expert_dtype,
-        "expert_bytes_per_weight": {"F32": 4, FP8_DTYPE: 1, INT4_DTYPE: 0.5 + 2 / int4_source.GROUP}.get(
-            expert_dtype, 2),
+        "expert_bytes_per_weight": {"F32": 4, FP8_DTYPE: 1, INT4_DTYPE: 0.5 + 2 / int4_source.GROUP,
+                                    MXFP4_DTYPE: 0.5 + 1 / 32}.get(expert_dtype, 2),
         "fp8_block": fp8_block,
         "fp8_scale_dtype": next(iter(scale_dtypes), None),
     })
@@ -303,3 +342,24 @@ def make_plan(ckpt: Checkpoint, keep: frozenset[str] = frozenset()) -> Plan:
     if not moe:
         problems.append("the config names no MoE layer: nothing to put in a vault")
     return plan
+
+
+def _attach_biases(plan: Plan, ckpt: Checkpoint, biases: dict[tuple[int, str], str], problems: list[str]) -> None:
+    """Give every expert's projections their bias tensors (fused [E, 2I] gate_up with interleaved rows, and
+    [E, H] down); a vault holds biases for all experts or none."""
+    n_experts, inter = plan.arch["num_experts"], plan.intermediate
+    want = {"gate_up": (n_experts, 2 * inter), "down": (n_experts, plan.hidden)}
+    for (layer, proj), name in sorted(biases.items()):
+        info = ckpt.tensors[name]
+        if info.shape != want[proj] or info.dtype not in FLOAT_DTYPES:
+            problems.append(f"{name}: expert bias {info.dtype} {list(info.shape)}, config gives float {list(want[proj])}")
+    missing = [f"layer {layer} {proj}" for layer in plan.moe_layers for proj in want if (layer, proj) not in biases]
+    if missing:
+        problems.append(f"expert biases missing for {', '.join(missing)} (a vault holds them for every expert or none)")
+        return
+    for (layer, _), sources in plan.experts.items():
+        for p in ("gate", "up", "down"):
+            src = sources[p]
+            sources[p] = ProjectionSource(src.tensor, src.index, src.scale, src.rows, src.transposed,
+                                          biases[(layer, "down" if p == "down" else "gate_up")])
+    plan.expert_bias = True

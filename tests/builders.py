@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from mosaic_runtime.vault.quant import quantize_fp8
+from mosaic_runtime.vault.quant import quantize_fp8, quantize_mxfp4
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 
@@ -444,6 +444,32 @@ def tiny_model(model_type: str, path: Path, *, fused: bool = False, seed: int = 
                 p.copy_(torch.randn_like(p) * (0.5 if any(s in name for s in ("norm", "A_log", "dt_bias")) else 0.2))
     model.save_pretrained(path, save_original_format=not fused)
     return Path(path)
+
+
+GPT_OSS_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+
+
+def tiny_gpt_oss(path: Path, *, mxfp4: bool = True, seed: int = 0, **cfg) -> Path:
+    """A random gpt-oss checkpoint saved by transformers (experts fused, gate and up interleaved, stored
+    transposed [E, in, out]); with mxfp4, re-written in the release's layout: each expert projection as
+    `_blocks` uint8 [E, rows, cols / 32, 16] and E8M0 `_scales` [E, rows, cols / 32] (rows as nn.Linear's:
+    [E, 2I, H] and [E, H, I]), biases as they were, and quantization_config.quant_method "mxfp4"."""
+    tiny_model("gpt_oss", path, seed=seed, **cfg)
+    if not mxfp4:
+        return Path(path)
+    path = Path(path)
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = tensors.pop(name).transpose(1, 2)  # [E, out, in]
+        planes = [quantize_mxfp4(e) for e in w]
+        blocks = torch.stack([c for c, _ in planes]).view(w.shape[0], w.shape[1], -1, 16)
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, torch.stack([s for _, s in planes])
+    save_file(tensors, file, metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": GPT_OSS_NOT_CONVERTED}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
 
 
 HYBRID_BASE = dict(vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from builders import HYBRID_BASE, tiny_hybrid, tiny_model
+from builders import HYBRID_BASE, tiny_gpt_oss, tiny_hybrid, tiny_model
 
 BASE = dict(vocab_size=320, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None,
@@ -30,10 +30,13 @@ class Case:
     atol: float = ATTENTION_ATOL
     layouts: tuple[str, ...] = ("per-expert", "fused")  # what transformers writes: per expert, or fused 3-D
     seed: int = 0
+    quants: tuple[str, ...] = ("q4", "fp8")  # the vaults each layout is converted to
 
     def build(self, path: Path, layout: str) -> Path:
         if self.model_type in ("qwen3_next", "qwen3_5_moe"):  # the release layouts (tiny_hybrid's docstring)
             return tiny_hybrid(self.model_type, path, seed=self.seed, **self.config)
+        if self.model_type == "gpt_oss":  # "mxfp4": the release's layout; "fused": transformers' float save
+            return tiny_gpt_oss(path, mxfp4=layout == "mxfp4", seed=self.seed, **{**BASE, **self.config})
         return tiny_model(self.model_type, path, fused=layout == "fused", seed=self.seed, **{**BASE, **self.config})
 
 
@@ -81,6 +84,14 @@ CASES = {
     "qwen3_5_moe": Case("qwen3_5_moe", dict(num_hidden_layers=4), HYBRID_ATOL, ("fused",), seed=1),
     "qwen3_5_moe_text": Case("qwen3_5_moe_text", dict(HYBRID_BASE, num_key_value_heads=4, linear_num_value_heads=2),
                              HYBRID_ATOL, seed=2),
+    # sinks, a window shorter than the prompt on alternate layers, YaRN without truncation, experts wider
+    # than the model (I != H), MXFP4 passed through
+    "gpt_oss": Case("gpt_oss", dict(
+        num_local_experts=4, num_experts_per_tok=2, intermediate_size=96, sliding_window=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128}),
+        layouts=("mxfp4", "fused"), quants=("q4", "fp8", "mxfp4")),
 }
 
 

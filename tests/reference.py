@@ -10,9 +10,14 @@ from safetensors.torch import load_file
 
 def reference_model(ckpt, engine):
     """transformers' own model of `ckpt`, its backbone replaced by the vault's (as stored, bf16 or float32)
-    and its experts by the vault's dequantised ones."""
+    and its experts by the vault's dequantised ones (an MXFP4 checkpoint dequantised by transformers on
+    load, then replaced alike)."""
     transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    config = transformers.AutoConfig.from_pretrained(ckpt)
+    quantized = getattr(config, "quantization_config", None) or {}
+    extra = {"quantization_config": transformers.Mxfp4Config(dequantize=True)} \
+        if quantized.get("quant_method") == "mxfp4" else {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, **extra).eval().float()
     tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     with torch.no_grad():
         for name, t in load_file(engine.directory / "backbone.safetensors").items():
@@ -21,8 +26,17 @@ def reference_model(ckpt, engine):
             experts = model.model.layers[layer].mlp.experts
             for e in range(engine.arch["num_experts"]):
                 gate, up, down = engine.vault.dequantize_expert(layer, e)
-                experts.gate_up_proj[e].copy_(torch.cat([gate, up]))
-                experts.down_proj[e].copy_(down)
+                if config.model_type == "gpt_oss":  # [E, in, out], gate and up columns interleaved; biases
+                    biases = engine.vault.expert_biases(layer, e)
+                    experts.gate_up_proj[e, :, 0::2].copy_(gate.T)
+                    experts.gate_up_proj[e, :, 1::2].copy_(up.T)
+                    experts.down_proj[e].copy_(down.T)
+                    experts.gate_up_proj_bias[e, 0::2].copy_(biases["gate"])
+                    experts.gate_up_proj_bias[e, 1::2].copy_(biases["up"])
+                    experts.down_proj_bias[e].copy_(biases["down"])
+                else:
+                    experts.gate_up_proj[e].copy_(torch.cat([gate, up]))
+                    experts.down_proj[e].copy_(down)
     return model
 
 

@@ -29,7 +29,7 @@ transformers = pytest.importorskip("transformers")
 PROMPT = [(37 * i + 11) % 320 for i in range(70)]  # past a 64-token delta-rule chunk and a 24-token window
 DECODE_STEPS = 12
 MIN_ROUTING_MARGIN = 1e-6  # below it, float rounding could pick another expert: the case needs another seed
-RUNS = [(case, quant, layout) for case, c in sorted(CASES.items()) for layout in c.layouts for quant in ("q4", "fp8")]
+RUNS = [(case, quant, layout) for case, c in sorted(CASES.items()) for layout in c.layouts for quant in c.quants]
 
 
 @pytest.fixture(scope="module")

@@ -40,12 +40,8 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor | Int8Rows, v_cache:
     a window is given: a decode step (T == 1) on the CPU runs the native kernel (native/src/attention.cpp,
     each key and value read once for the query heads that share it); everything else, and the reference,
     is torch_attention (an int8 cache dequantized first). sinks [Hq]: torch_attention's."""
-    if sinks is not None:
-        if isinstance(k_cache, Int8Rows):
-            end = start + q.shape[0]
-            k_cache, v_cache = (Int8Rows(*(t[:, :end] for t in c)).dequantize() for c in (k_cache, v_cache))
-        return torch_attention(q, k_cache, v_cache, start, scale, window, sinks)
     end = start + q.shape[0]
+    sink_arg = None if sinks is None else sinks.float().contiguous().numpy()
     if q.shape[0] == 1 and window is not None and end > window:  # a decode step sees the window's keys only
         lo = end - window
         k_cache, v_cache = ((Int8Rows(*(t[:, lo:end] for t in c)) if isinstance(c, Int8Rows) else c[:, lo:end])
@@ -58,9 +54,9 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor | Int8Rows, v_cache:
             out = np.empty((hq, d), np.float32)
             _native.kernels.decode_attention_i8(_I8_ISA, threads(), q.reshape(hq, d).contiguous().numpy(),
                                                 k.codes.numpy(), v.codes.numpy(), k.scales.numpy(),
-                                                v.scales.numpy(), scale, out)
+                                                v.scales.numpy(), scale, out, sink_arg)
             return torch.from_numpy(out).view(1, hq * d)
-        return torch_attention(q, k.dequantize(), v.dequantize(), start, scale, window)
+        return torch_attention(q, k.dequantize(), v.dequantize(), start, scale, window, sinks)
     if q.shape[0] == 1 and q.device.type == "cpu" and k_cache.dtype in _DECODE_KERNELS:
         k, v = k_cache[:, :end], v_cache[:, :end]
         if _rows_contiguous(k, v):
@@ -69,9 +65,9 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor | Int8Rows, v_cache:
             qs = q.reshape(hq, d).contiguous().numpy()
             if k.dtype == torch.bfloat16:  # handed over as their bit patterns
                 k, v = k.view(torch.uint16), v.view(torch.uint16)
-            _DECODE_KERNELS[k_cache.dtype](_ISA, threads(), qs, k.numpy(), v.numpy(), scale, out)
+            _DECODE_KERNELS[k_cache.dtype](_ISA, threads(), qs, k.numpy(), v.numpy(), scale, out, sink_arg)
             return torch.from_numpy(out).view(1, hq * d)
-    return torch_attention(q, k_cache, v_cache, start, scale, window)
+    return torch_attention(q, k_cache, v_cache, start, scale, window, sinks)
 
 
 def _rows_contiguous(k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -125,7 +125,8 @@ def _layer(model, i: int):
             qk_norm=_QK_NORM[a.qk_norm], output_gate=a.output_gate, sliding_window=a.sliding_window or 0,
             clip_qkv=a.clip_qkv or 0.0, scale=a.scale, q=_matrix(aw.q), k=_matrix(aw.k), v=_matrix(aw.v),
             o=_matrix(aw.o), q_bias=_vector(aw.q_bias), k_bias=_vector(aw.k_bias), v_bias=_vector(aw.v_bias),
-            o_bias=_vector(aw.o_bias), q_norm=_vector(aw.q_norm), k_norm=_vector(aw.k_norm), kv_layer=slot)
+            o_bias=_vector(aw.o_bias), q_norm=_vector(aw.q_norm), k_norm=_vector(aw.k_norm), sinks=_vector(aw.sinks),
+            kv_layer=slot)
     else:
         d: DeltaNet = recipe.mixer
         dw, state = w.mixer, model.state
@@ -141,7 +142,8 @@ def _layer(model, i: int):
         r = ffn.router
         router = _D.Router(hidden=H, gate=_matrix(fw.router), scoring=_SCORING[r.scoring], method=_METHOD[r.method],
                            top_k=r.top_k, n_group=r.n_group, topk_group=r.topk_group, norm_topk_prob=r.norm_topk_prob,
-                           scaling=r.scaling, score_bias=_vector(fw.router_bias))
+                           scaling=r.scaling, score_bias=_vector(fw.router_bias),
+                           logit_bias=_vector(fw.router_logit_bias))
     mlp = [None if m is None else _matrix(m) for m in (fw.gate, fw.up, fw.down)]
     return _D.DecodeLayer(hidden=H, eps=model.recipe.eps, input_norm=_vector(w.input_norm),
                           post_norm=_vector(w.post_norm), mixer=mixer, router=router, gate=mlp[0], up=mlp[1],

@@ -143,7 +143,7 @@ void init_decode(nb::module_& m) {
       .def("__init__", [](PyAttention* self, int hidden, int heads, int kv_heads, int head_dim, int rot_dim, int qk_norm,
                           bool output_gate, int sliding_window, float clip_qkv, float scale, nb::handle q, nb::handle k,
                           nb::handle v, nb::handle o, nb::handle q_bias, nb::handle k_bias, nb::handle v_bias,
-                          nb::handle o_bias, nb::handle q_norm, nb::handle k_norm, int kv_layer) {
+                          nb::handle o_bias, nb::handle q_norm, nb::handle k_norm, nb::handle sinks, int kv_layer) {
         new (self) PyAttention();
         AttentionMixer& a = self->a;
         check(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0, "AttentionMixer: heads");
@@ -162,6 +162,7 @@ void init_decode(nb::module_& m) {
         a.k_bias = vector_of(k_bias, kn, "AttentionMixer: k_bias", *self);
         a.v_bias = vector_of(v_bias, kn, "AttentionMixer: v_bias", *self);
         a.o_bias = vector_of(o_bias, hidden, "AttentionMixer: o_bias", *self);
+        a.sinks = vector_of(sinks, heads, "AttentionMixer: sinks", *self);
         const bool per_head = a.qk_norm == QkNorm::Head;
         if (a.qk_norm != QkNorm::None) {
           check(!q_norm.is_none() && !k_norm.is_none(), "AttentionMixer: q_norm and k_norm");
@@ -172,7 +173,7 @@ void init_decode(nb::module_& m) {
          nb::arg("qk_norm"), nb::arg("output_gate"), nb::arg("sliding_window"), nb::arg("clip_qkv"), nb::arg("scale"),
          nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("q_bias").none(), nb::arg("k_bias").none(),
          nb::arg("v_bias").none(), nb::arg("o_bias").none(), nb::arg("q_norm").none(), nb::arg("k_norm").none(),
-         nb::arg("kv_layer"));
+         nb::arg("sinks").none() = nb::none(), nb::arg("kv_layer"));
 
   nb::class_<PyLatent>(d, "LatentMixer")
       .def("__init__", [](PyLatent* self, int hidden, int heads, int q_lora_rank, int kv_lora_rank, int nope_dim,
@@ -236,7 +237,8 @@ void init_decode(nb::module_& m) {
 
   nb::class_<PyRouter>(d, "Router")
       .def("__init__", [](PyRouter* self, int hidden, nb::handle gate, int scoring, int method, int top_k, int n_group,
-                          int topk_group, bool norm_topk_prob, float scaling, nb::handle score_bias) {
+                          int topk_group, bool norm_topk_prob, float scaling, nb::handle score_bias,
+                          nb::handle logit_bias) {
         new (self) PyRouter();
         Router& r = self->r;
         r.gate = matrix_of(gate, -1, hidden, "Router: gate", *self);
@@ -249,9 +251,10 @@ void init_decode(nb::module_& m) {
         r.top_k = top_k, r.n_group = n_group, r.topk_group = topk_group, r.norm_topk_prob = norm_topk_prob;
         r.scaling = scaling;
         r.score_bias = vector_of(score_bias, E, "Router: score_bias", *self);
+        r.logit_bias = vector_of(logit_bias, E, "Router: logit_bias", *self);
       }, nb::kw_only(), nb::arg("hidden"), nb::arg("gate"), nb::arg("scoring"), nb::arg("method"), nb::arg("top_k"),
          nb::arg("n_group"), nb::arg("topk_group"), nb::arg("norm_topk_prob"), nb::arg("scaling"),
-         nb::arg("score_bias").none());
+         nb::arg("score_bias").none(), nb::arg("logit_bias").none() = nb::none());
 
   nb::class_<PyLayer>(d, "DecodeLayer", "One layer's decode step: its mixer, then its FFN")
       .def("__init__", [](PyLayer* self, int hidden, float eps, nb::handle input_norm, nb::handle post_norm,

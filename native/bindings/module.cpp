@@ -172,8 +172,14 @@ void init_kernels(nb::module_& m) {
                  static_cast<int>(x.shape(0)), y.data(), threads, Isa(isa));
   });
   // q, out [heads, head_dim]; k, v [kv_heads, length, head_dim] with contiguous rows (any head stride),
-  // float32 or bf16 (as uint16 bit patterns).
-  auto attention = [](auto fn, int isa, int threads, Matrix q, auto k, auto v, float scale, OutMatrix out) {
+  // float32 or bf16 (as uint16 bit patterns); sinks [heads] or None.
+  auto sinks_of = [](const std::optional<Floats1>& sinks, size_t heads) -> const float* {
+    if (!sinks) return nullptr;
+    check(sinks->shape(0) == heads, "decode_attention: one sink a query head");
+    return sinks->data();
+  };
+  auto attention = [sinks_of](auto fn, int isa, int threads, Matrix q, auto k, auto v, float scale, OutMatrix out,
+                              const std::optional<Floats1>& sinks) {
     const int64_t d = q.shape(1);
     check(k.shape(2) == static_cast<size_t>(d) && v.shape(2) == static_cast<size_t>(d) &&
               k.shape(0) == v.shape(0) && k.shape(1) == v.shape(1) && out.shape(0) == q.shape(0) &&
@@ -182,25 +188,28 @@ void init_kernels(nb::module_& m) {
     check(k.stride(2) == 1 && k.stride(1) == d && v.stride(2) == 1 && v.stride(1) == d,
           "decode_attention: K and V rows must be contiguous");
     check(isa_available(Isa(isa)), "decode_attention: this CPU lacks that ISA");
+    const float* s = sinks_of(sinks, q.shape(0));
     nb::gil_scoped_release release;
     fn(q.data(), static_cast<int>(q.shape(0)), static_cast<int>(d), k.data(), v.data(), k.stride(0), v.stride(0),
-       static_cast<int>(k.shape(0)), static_cast<int>(k.shape(1)), scale, out.data(), threads, Isa(isa));
+       static_cast<int>(k.shape(0)), static_cast<int>(k.shape(1)), scale, out.data(), threads, Isa(isa), s);
   };
   using F32Cache = nb::ndarray<const float, nb::ndim<3>, nb::device::cpu>;
   using Bf16Cache = nb::ndarray<const uint16_t, nb::ndim<3>, nb::device::cpu>;
   k.def("decode_attention", [attention](int isa, int threads, Matrix q, F32Cache k, F32Cache v, float scale,
-                                        OutMatrix out) {
-    attention(decode_attention, isa, threads, q, k, v, scale, out);
-  });
+                                        OutMatrix out, std::optional<Floats1> sinks) {
+    attention(decode_attention, isa, threads, q, k, v, scale, out, sinks);
+  }, nb::arg("isa"), nb::arg("threads"), nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"), nb::arg("out"),
+     nb::arg("sinks") = nb::none());
   k.def("decode_attention_bf16", [attention](int isa, int threads, Matrix q, Bf16Cache k, Bf16Cache v, float scale,
-                                             OutMatrix out) {
-    attention(decode_attention_bf16, isa, threads, q, k, v, scale, out);
-  });
+                                             OutMatrix out, std::optional<Floats1> sinks) {
+    attention(decode_attention_bf16, isa, threads, q, k, v, scale, out, sinks);
+  }, nb::arg("isa"), nb::arg("threads"), nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"), nb::arg("out"),
+     nb::arg("sinks") = nb::none());
   using I8Cache = nb::ndarray<const int8_t, nb::ndim<3>, nb::device::cpu>;
   using RowScales = nb::ndarray<const float, nb::ndim<2>, nb::device::cpu>;
   // int8 codes, and a float32 scale per row: k_scale, v_scale [kv_heads, length], contiguous along length.
-  k.def("decode_attention_i8", [](int isa, int threads, Matrix q, I8Cache k, I8Cache v, RowScales k_scale,
-                                  RowScales v_scale, float scale, OutMatrix out) {
+  k.def("decode_attention_i8", [sinks_of](int isa, int threads, Matrix q, I8Cache k, I8Cache v, RowScales k_scale,
+                                          RowScales v_scale, float scale, OutMatrix out, std::optional<Floats1> sinks) {
     const int64_t d = q.shape(1);
     check(k.shape(2) == static_cast<size_t>(d) && v.shape(2) == static_cast<size_t>(d) &&
               k.shape(0) == v.shape(0) && k.shape(1) == v.shape(1) && out.shape(0) == q.shape(0) &&
@@ -213,11 +222,13 @@ void init_kernels(nb::module_& m) {
     check(k_scale.stride(1) == 1 && v_scale.stride(1) == 1 && k_scale.stride(0) == v_scale.stride(0),
           "decode_attention: scales must be contiguous along the length, both with one head stride");
     check(isa_available(Isa(isa)), "decode_attention: this CPU lacks that ISA");
+    const float* s = sinks_of(sinks, q.shape(0));
     nb::gil_scoped_release release;
     decode_attention_i8(q.data(), static_cast<int>(q.shape(0)), static_cast<int>(d), k.data(), v.data(), k.stride(0),
                         v.stride(0), k_scale.data(), v_scale.data(), k_scale.stride(0), static_cast<int>(k.shape(0)),
-                        static_cast<int>(k.shape(1)), scale, out.data(), threads, Isa(isa));
-  });
+                        static_cast<int>(k.shape(1)), scale, out.data(), threads, Isa(isa), s);
+  }, nb::arg("isa"), nb::arg("threads"), nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("k_scale"),
+     nb::arg("v_scale"), nb::arg("scale"), nb::arg("out"), nb::arg("sinks") = nb::none());
   k.def("linear_q4", [](int isa, int threads, nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> codes,
                         nb::ndarray<const uint16_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> scales, Matrix x,
                         OutMatrix y) {

@@ -300,7 +300,7 @@ void task_scalar(const float* q, int rep, int d, const T* k, const T* v, RowScal
 template <typename T>
 void attend(const float* q, int heads, int head_dim, const T* k, const T* v, int64_t k_head_stride,
             int64_t v_head_stride, const float* k_scale, const float* v_scale, int64_t scale_head_stride,
-            int kv_heads, int length, float scale, float* out, int threads, Isa isa) {
+            int kv_heads, int length, float scale, float* out, int threads, Isa isa, const float* sinks) {
   const int rep = heads / kv_heads, d = head_dim;
   const int chunks = std::max(1, (length + kChunk - 1) / kChunk);
   const int tasks = kv_heads * chunks;
@@ -365,15 +365,15 @@ void attend(const float* q, int heads, int head_dim, const T* k, const T* v, int
     else task_avx512<0, T>(qg, rep, d, kg, vg, rs, k0, k1, o, part);
   }
   // Merge each query head's chunks in ascending order, in the kernel's element order (a loop that
-  // vectorizes), then put the elements back in place.
+  // vectorizes), then put the elements back in place. A sink is one more logit in the denominator.
   const int rows = kv_heads * rep;
 #pragma omp parallel for num_threads(std::min(threads, rows)) schedule(static)
   for (int row = 0; row < rows; ++row) {
     const int g = row / rep, r = row % rep;
-    float m = -std::numeric_limits<float>::infinity();
+    float m = sinks ? sinks[row] : -std::numeric_limits<float>::infinity();
     for (int c = 0; c < chunks; ++c) m = std::max(m, part_all[(g * chunks + c) * rep + r].ref);
     std::vector<float> acc(d, 0.f);
-    float l = 0.f;
+    float l = sinks ? std::exp(sinks[row] - m) : 0.f;
     for (int c = 0; c < chunks; ++c) {
       const int t = g * chunks + c;
       const float w = std::exp(part_all[t * rep + r].ref - m);
@@ -390,24 +390,25 @@ void attend(const float* q, int heads, int head_dim, const T* k, const T* v, int
 }  // namespace
 
 void decode_attention(const float* q, int heads, int head_dim, const float* k, const float* v, int64_t k_head_stride,
-                      int64_t v_head_stride, int kv_heads, int length, float scale, float* out, int threads, Isa isa) {
+                      int64_t v_head_stride, int kv_heads, int length, float scale, float* out, int threads, Isa isa,
+                      const float* sinks) {
   attend(q, heads, head_dim, k, v, k_head_stride, v_head_stride, nullptr, nullptr, 0, kv_heads, length, scale, out,
-         threads, isa);
+         threads, isa, sinks);
 }
 
 void decode_attention_bf16(const float* q, int heads, int head_dim, const uint16_t* k, const uint16_t* v,
                            int64_t k_head_stride, int64_t v_head_stride, int kv_heads, int length, float scale,
-                           float* out, int threads, Isa isa) {
+                           float* out, int threads, Isa isa, const float* sinks) {
   attend(q, heads, head_dim, k, v, k_head_stride, v_head_stride, nullptr, nullptr, 0, kv_heads, length, scale, out,
-         threads, isa);
+         threads, isa, sinks);
 }
 
 void decode_attention_i8(const float* q, int heads, int head_dim, const int8_t* k, const int8_t* v,
                          int64_t k_head_stride, int64_t v_head_stride, const float* k_scale, const float* v_scale,
                          int64_t scale_head_stride, int kv_heads, int length, float scale, float* out, int threads,
-                         Isa isa) {
+                         Isa isa, const float* sinks) {
   attend(q, heads, head_dim, k, v, k_head_stride, v_head_stride, k_scale, v_scale, scale_head_stride, kv_heads,
-         length, scale, out, threads, isa);
+         length, scale, out, threads, isa, sinks);
 }
 
 }  // namespace mosaic

@@ -137,24 +137,24 @@ void store_row(KvDtype dtype, void* cache, int64_t at, float* scales, int64_t sc
 // attn [heads, d] = the queries q [heads, d] attending over `length` cache rows of layer `layer` from
 // position `first` on, whatever the cache's dtype.
 void attend_cache(const KvRun& kv, int layer, int first, int length, const float* q, int heads, int d,
-                  int kv_heads, float scale, float* attn, int threads, Isa isa) {
+                  int kv_heads, float scale, float* attn, int threads, Isa isa, const float* sinks = nullptr) {
   const int64_t k0 = layer * kv.k_layer_stride + static_cast<int64_t>(first) * d;
   const int64_t v0 = layer * kv.v_layer_stride + static_cast<int64_t>(first) * d;
   const int64_t s0 = layer * kv.scale_layer_stride + first;
   switch (kv.dtype) {
     case KvDtype::F32:
       decode_attention(q, heads, d, static_cast<const float*>(kv.k) + k0, static_cast<const float*>(kv.v) + v0,
-                       kv.k_head_stride, kv.v_head_stride, kv_heads, length, scale, attn, threads, isa);
+                       kv.k_head_stride, kv.v_head_stride, kv_heads, length, scale, attn, threads, isa, sinks);
       break;
     case KvDtype::Bf16:
       decode_attention_bf16(q, heads, d, static_cast<const uint16_t*>(kv.k) + k0,
                             static_cast<const uint16_t*>(kv.v) + v0, kv.k_head_stride, kv.v_head_stride, kv_heads,
-                            length, scale, attn, threads, isa);
+                            length, scale, attn, threads, isa, sinks);
       break;
     case KvDtype::I8:
       decode_attention_i8(q, heads, d, static_cast<const int8_t*>(kv.k) + k0, static_cast<const int8_t*>(kv.v) + v0,
                           kv.k_head_stride, kv.v_head_stride, kv.k_scale + s0, kv.v_scale + s0, kv.scale_head_stride,
-                          kv_heads, length, scale, attn, threads, isa);
+                          kv_heads, length, scale, attn, threads, isa, sinks);
       break;
   }
 }
@@ -212,7 +212,7 @@ void attention_step(const AttentionMixer& a, int hidden, float eps, const KvRun&
     store_row(kv.dtype, kv.v, vl + g * kv.v_head_stride + row, kv.v_scale, scale_at, v + static_cast<int64_t>(g) * d, d);
   }
   const int first = a.sliding_window > 0 ? std::max(0, pos + 1 - a.sliding_window) : 0;
-  attend_cache(kv, a.kv_layer, first, pos + 1 - first, q, hq, d, hkv, a.scale, attn, threads, isa);
+  attend_cache(kv, a.kv_layer, first, pos + 1 - first, q, hq, d, hkv, a.scale, attn, threads, isa, a.sinks);
   if (a.output_gate)
     for (int64_t i = 0; i < qn; ++i) attn[i] *= sigmoid(gate[i]);
   project(a.o, attn, out, threads, isa);
@@ -273,6 +273,8 @@ void route(const Router& r, const float* h, float* topk_weights, int32_t* topk_i
   float* scores = scratch;
   float* choice = scores + E;
   project(r.gate, h, scores, threads, isa);
+  if (r.logit_bias)
+    for (int e = 0; e < E; ++e) scores[e] += r.logit_bias[e];
   if (r.scoring == Scoring::Softmax) {
     const float mx = *std::max_element(scores, scores + E);
     float sum = 0.f;

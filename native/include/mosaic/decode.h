@@ -41,6 +41,7 @@ struct AttentionMixer {
   BackboneMatrix q, k, v, o;
   const float *q_bias = nullptr, *k_bias = nullptr, *v_bias = nullptr, *o_bias = nullptr;  // null: none
   const float *q_norm = nullptr, *k_norm = nullptr;  // [head_dim] (Head) or [heads|kv_heads * head_dim] (Projection)
+  const float* sinks = nullptr;   // [heads]: a logit each head's softmax adds to its denominator; null: none
   int kv_layer = 0;               // this layer's row of the KV run
 };
 
@@ -88,6 +89,7 @@ struct Router {
   bool norm_topk_prob = false;
   float scaling = 1.f;
   const float* score_bias = nullptr;  // [experts]: added to the scores to choose, not to weigh
+  const float* logit_bias = nullptr;  // [experts]: the router Linear's bias, added to its logits
 };
 
 // Routed experts (router.gate set) plus an optional shared expert, or a dense MLP (no router).

@@ -141,19 +141,21 @@ void linear_quant(const uint8_t* w, const float* scales, bool fp8, int rows, int
 // g = h / (heads / kv_heads). q and out are [heads, head_dim]; K and V rows are head_dim floats, each KV
 // head's rows contiguous, heads k_head_stride / v_head_stride floats apart (the paged cache's layout).
 // Keys are cut into fixed chunks merged in order, so results do not depend on the thread count.
+// sinks [heads] or null: query head h's softmax takes exp(sinks[h]) into its denominator (gpt-oss).
 void decode_attention(const float* q, int heads, int head_dim, const float* k, const float* v, int64_t k_head_stride,
-                      int64_t v_head_stride, int kv_heads, int length, float scale, float* out, int threads, Isa isa);
+                      int64_t v_head_stride, int kv_heads, int length, float scale, float* out, int threads, Isa isa,
+                      const float* sinks = nullptr);
 // The same over a bf16 cache (K and V as bf16 bit patterns), widened to float32 exactly as they are read.
 void decode_attention_bf16(const float* q, int heads, int head_dim, const uint16_t* k, const uint16_t* v,
                            int64_t k_head_stride, int64_t v_head_stride, int kv_heads, int length, float scale,
-                           float* out, int threads, Isa isa);
+                           float* out, int threads, Isa isa, const float* sinks = nullptr);
 // The same over an int8 cache: key or value = code * its row's scale; k_scale / v_scale [kv_heads, length]
 // floats, heads scale_head_stride apart. Under Isa::Avx512Vnni (head_dim a multiple of 32) the products are
 // integer: the queries and each tile of probabilities are rounded to 16 bits (about 1e-4 of the output).
 void decode_attention_i8(const float* q, int heads, int head_dim, const int8_t* k, const int8_t* v,
                          int64_t k_head_stride, int64_t v_head_stride, const float* k_scale, const float* v_scale,
                          int64_t scale_head_stride, int kv_heads, int length, float scale, float* out, int threads,
-                         Isa isa);
+                         Isa isa, const float* sinks = nullptr);
 
 // Y[n, rows] = X[n, cols] @ W.T for W in Q4_G32 (a vault plane's layout: codes [rows, ceil(cols/32)*16],
 // f16 scales [rows, ceil(cols/32)]), through the expert kernels' Q4 matvec of `isa` (int8 activations
