@@ -1,7 +1,7 @@
 """Decode-time expert FFN (top-8 experts of a layer, one token) against this machine's memory-read
 roofline measured in the same run, interleaved, and against torch F.linear on the same weights in bf16.
 
-    python benchmarks/kernel_bench.py [--threads 2] [--reps 5]
+    python benchmarks/kernel_bench.py [--threads 2] [--reps 5] [--geometries gpt-oss-20b,...]
 
 Weights cycle through more than 1 GiB of records so that nothing is served from the caches. Effective
 bandwidth = bytes of the 8 records' planes / time of the call.
@@ -23,23 +23,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mosaic_runtime import _native  # noqa: E402
 from mosaic_runtime.experts import expert_format  # noqa: E402
 from mosaic_runtime.recipe import ExpertActivation  # noqa: E402
-from mosaic_runtime.vault.format import PROJECTIONS, QuantType, ScaleDtype, projection_shape, record_layout  # noqa: E402
-from mosaic_runtime.vault.quant import quantize_fp8, quantize_q4  # noqa: E402
+from mosaic_runtime.vault.format import (PROJECTIONS, REQUIRED_SCALE_DTYPE, QuantType, ScaleDtype,  # noqa: E402
+                                         projection_shape, record_layout)
+from mosaic_runtime.vault.quant import quantize_fp8, quantize_mxfp4, quantize_q4  # noqa: E402
 from mosaic_runtime.vault.record import pack_record  # noqa: E402
 
 K = _native.kernels
-GEOMETRIES = [("Qwen3-30B-A3B", 2048, 768), ("Qwen3.5-35B-A3B", 2048, 512), ("Qwen3-235B-A22B", 4096, 1536)]
+# (name, H, I, expert biases); gpt-oss's experts carry biases, which its records hold
+GEOMETRIES = [("Qwen3-30B-A3B", 2048, 768, False), ("Qwen3.5-35B-A3B", 2048, 512, False),
+              ("Qwen3-235B-A22B", 4096, 1536, False), ("gpt-oss-20b", 2880, 2880, True)]
+QUANTIZE = {QuantType.Q4_G32: quantize_q4, QuantType.FP8_B128: quantize_fp8, QuantType.MXFP4_G32: quantize_mxfp4}
+LABELS = {QuantType.Q4_G32: "Q4_G32", QuantType.FP8_B128: "FP8_B128", QuantType.MXFP4_G32: "MXFP4_G32"}
 POOL_BYTES = 5 << 28  # 1.25 GiB of records per case
 TOP_K = 8
 
 
-def records_pool(quant: QuantType, hidden: int, inter: int):
-    layout = record_layout(quant, ScaleDtype.F16 if quant is QuantType.Q4_G32 else ScaleDtype.F32, hidden, inter)
+def records_pool(quant: QuantType, hidden: int, inter: int, bias: bool = False):
+    layout = record_layout(quant, REQUIRED_SCALE_DTYPE.get(quant, ScaleDtype.F32), hidden, inter, bias)
     g = torch.Generator().manual_seed(0)
-    quantize = quantize_q4 if quant is QuantType.Q4_G32 else quantize_fp8
-    one = np.frombuffer(bytes(pack_record(layout, {p: quantize(torch.randn(*projection_shape(p, hidden, inter),
-                                                                            generator=g) * 0.02)
-                                                   for p in PROJECTIONS})), np.uint8)
+    shapes = {p: projection_shape(p, hidden, inter) for p in PROJECTIONS}
+    planes = {p: QUANTIZE[quant](torch.randn(*shapes[p], generator=g) * 0.02) for p in PROJECTIONS}
+    biases = {p: torch.randn(shapes[p][0], generator=g) * 0.02 for p in PROJECTIONS} if bias else None
+    one = np.frombuffer(bytes(pack_record(layout, planes, biases)), np.uint8)
     n = max(4 * TOP_K, POOL_BYTES // layout.record_bytes)
     pool = np.empty((n, layout.record_bytes), np.uint8)
     pool[:] = one  # identical content, distinct memory: every call streams from DRAM
@@ -82,19 +87,24 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--geometries", default=",".join(g[0] for g in GEOMETRIES), help="comma-separated names")
     args = ap.parse_args()
+    chosen = args.geometries.split(",")
     print(f"ISA {K.isa_name(K.best_isa())}, {args.threads} threads, top-{TOP_K}, one token, pools of "
           f"{POOL_BYTES / 2**30:.2f} GiB")
     print("| geometry (H x I) | quant, ISA | kernel GB/s | roofline GB/s (same run) | kernel / roofline | "
           "torch bf16 F.linear ms | Mosaic ms | speed-up vs torch |")
     print("|---|---|---|---|---|---|---|---|")
-    for name, hidden, inter in GEOMETRIES:
+    for name, hidden, inter, bias in GEOMETRIES:
+        if name not in chosen:
+            continue
         torch_ms = time_torch(hidden, inter, args.threads, 40) * 1e3
-        cases = [(QuantType.Q4_G32, K.best_isa()), (QuantType.FP8_B128, K.best_isa())]
+        cases = [(QuantType.Q4_G32, K.best_isa()), (QuantType.FP8_B128, K.best_isa()),
+                 (QuantType.MXFP4_G32, K.best_isa())]
         if K.int8_isa() is not None:  # the fast default's Q4 kernel (int8 activations)
             cases.insert(1, (QuantType.Q4_G32, K.int8_isa()))
         for quant, isa in cases:
-            layout, pool = records_pool(quant, hidden, inter)
+            layout, pool = records_pool(quant, hidden, inter, bias)
             flat = pool.reshape(-1)
             moved = TOP_K * layout.payload_bytes
             calls = max(20, int(2 * pool.nbytes / moved))  # two passes over the pool
@@ -109,7 +119,7 @@ def main() -> None:
                 roof.append(r)
                 ratios.append(k / r)
             ms = moved / statistics.median(kern) / 1e6
-            label = ("Q4_G32" if quant is QuantType.Q4_G32 else "FP8_B128") + f" {K.isa_name(isa)}"
+            label = f"{LABELS[quant]} {K.isa_name(isa)}"
             print(f"| {name} {hidden} x {inter} | {label} "
                   f"| {statistics.median(kern):.1f} | {statistics.median(roof):.1f} "
                   f"| {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) "

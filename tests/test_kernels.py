@@ -154,14 +154,15 @@ def int8_activation_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.skipif(not INT8_ISAS, reason="no int8-activation ISA on this CPU")
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 140), cols=st.integers(1, 600), n=st.integers(1, 5), seed=st.integers(0, 1000),
-       isa=st.sampled_from(INT8_ISAS or [None]))
-def test_int8_activation_q4_matches_its_reference(rows, cols, n, seed, isa):
-    codes, scales, sdt, w = quantised(QuantType.Q4_G32, rows, cols, seed)
+       isa=st.sampled_from(INT8_ISAS or [None]), quant=st.sampled_from([QuantType.Q4_G32, QuantType.MXFP4_G32]))
+def test_int8_activation_kernels_match_their_reference(rows, cols, n, seed, isa, quant):
+    codes, scales, sdt, w = quantised(quant, rows, cols, seed)
     x = torch.randn(n, cols, generator=torch.Generator().manual_seed(seed + 1))
     y = np.zeros((n, rows), np.float32)
-    K.matvec(isa, int(QuantType.Q4_G32), int(sdt), as_bytes(codes), as_bytes(scales), rows, cols,
-             x.numpy(), y)
-    ref = int8_activation_reference(x, w)
+    K.matvec(isa, int(quant), int(sdt), as_bytes(codes), as_bytes(scales), rows, cols, x.numpy(), y)
+    # MXFP4 against int8 activations under AVX-512 VNNI; under AVX2 it runs the float kernel
+    integer = quant is QuantType.Q4_G32 or isa == K.AVX512_VNNI
+    ref = int8_activation_reference(x, w) if integer else x.double() @ w.double().T
     bound = 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-6
     assert ((torch.from_numpy(y).double() - ref).abs() <= bound).all()
     # and within int8 rounding of the float result

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "mosaic/kernels.h"
@@ -188,13 +189,26 @@ MOSAIC_AVX512 void fp8_avx512(const MatvecArgs& a) {
 #define MOSAIC_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
 struct QuantisedX {
-  std::vector<int8_t> q;     // [n][quads * 128]: per quad of 4 blocks, elements 0..15 of each, then 16..31
+  std::vector<int8_t> q;     // [n][quads * 128]: per quad of 4 blocks, the elements each block's low nibbles
+                             // hold (Q4: 0..15; MXFP4: the even ones), then its high nibbles' (16..31; odd)
   std::vector<float> sx;     // [n][groups * 16]: activation scale per block, zero past the last block
-  std::vector<float> off;    // [n][groups * 16]: 8 * sx * sum(q) per block
+  std::vector<float> off;    // [n][groups * 16]: zero * sx * sum(q) per block, zero the codes' offset
+};
+
+// The weights' side of the int8 kernels: how a block's codes become unsigned bytes w + zero, and where the
+// low and high nibbles' elements sit.
+struct Q4Codes {  // codes 0..15 are w + 8; low nibbles hold elements 0..15, high ones 16..31
+  static constexpr float kZero = 8.f;
+  static constexpr bool kPairs = false;
+};
+struct Mxfp4Codes {  // E2M1 codes through a table to 2 * e2m1 + 12 (0..24); nibbles hold elements 2j, 2j + 1
+  static constexpr float kZero = 12.f;
+  static constexpr bool kPairs = true;
 };
 
 // In vector ops (it runs once per matvec call: 24 times a MoE layer per token): the same codes as
 // rounding each x * inv to nearest even, one block of 32 at a time.
+template <typename Codes>
 MOSAIC_VNNI static void quantise_x(const MatvecArgs& a, int quads, int groups, QuantisedX& out) {
   const size_t per_q = static_cast<size_t>(quads) * 128, per_b = static_cast<size_t>(groups) * kGroup;
   out.q.assign(per_q * a.n, 0);  // capacity is kept across calls: no allocation once warm
@@ -210,13 +224,20 @@ MOSAIC_VNNI static void quantise_x(const MatvecArgs& a, int quads, int groups, Q
       const __m512 x0 = _mm512_maskz_loadu_ps(m0, x + c0), x1 = _mm512_maskz_loadu_ps(m1, x + c0 + 16);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
       const float sx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      const __m512i v0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(inv)));  // MXCSR: nearest even
-      const __m512i v1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(inv)));
+      __m512i v0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(inv)));  // MXCSR: nearest even
+      __m512i v1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(inv)));
+      if constexpr (Codes::kPairs) {  // the block's even elements, then its odd ones
+        const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
+        const __m512i e = _mm512_permutex2var_epi32(v0, evens, v1), o = _mm512_permutex2var_epi32(v0, odds, v1);
+        v0 = e, v1 = o;
+      }
       int8_t* quad = q + (b / 4) * 128 + (b % 4) * 16;  // the low nibbles' elements, then the high ones'
       _mm_storeu_si128(reinterpret_cast<__m128i*>(quad), _mm512_cvtsepi32_epi8(v0));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(quad + 64), _mm512_cvtsepi32_epi8(v1));
       out.sx[per_b * t + b] = sx;
-      out.off[per_b * t + b] = 8.f * sx * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1)));
+      out.off[per_b * t + b] =
+          Codes::kZero * sx * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1)));
     }
   }
 }
@@ -234,10 +255,26 @@ constexpr int kVnniPrefetch = 8192;  // 0.8 % faster than 4096 with the scales p
 // expert's 768 or 2048) run faster with L1 prefetches (benchmarks/RESULTS.md, "Expert kernel").
 constexpr int kL2PrefetchCols = 4096;
 
-template <int R, int Hint>
-MOSAIC_VNNI inline void q4_vnni_rows(const uint8_t* row0, const uint16_t* rs0, int blocks, int groups, const int8_t* q,
+// A group's 16 weight scales: Q4's f16, or MXFP4's E8M0 as 2^(s - 127) / 2 (its codes are doubled), an
+// exponent field moved into place (s = 0, 2^-127, becomes 0: no weight that small changes a sum).
+template <typename Codes>
+MOSAIC_VNNI inline __m512 group_scales(const void* rs, __mmask16 in_group) {
+  if constexpr (std::is_same<Codes, Mxfp4Codes>::value) {
+    const __m512i s = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(in_group, rs));
+    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(s, 23)), _mm512_set1_ps(0.5f));
+  } else {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(in_group, rs));
+  }
+}
+
+template <int R, int Hint, typename Codes = Q4Codes>
+MOSAIC_VNNI inline void q4_vnni_rows(const uint8_t* row0, const void* rs_base, int blocks, int groups, const int8_t* q,
                                      const float* sx, const float* off, const __m512i* lane_block, float* y) {
+  constexpr bool mx = std::is_same<Codes, Mxfp4Codes>::value;
+  const auto* rs0 = static_cast<const std::conditional_t<mx, uint8_t, uint16_t>*>(rs_base);
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  // 2 * e2m1 + 12 by code, in each 128-bit lane for vpshufb
+  const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
   const int64_t row_bytes = static_cast<int64_t>(blocks) * kQ4Bytes;
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
@@ -248,7 +285,7 @@ MOSAIC_VNNI inline void q4_vnni_rows(const uint8_t* row0, const uint16_t* rs0, i
     __m512 dsx[R];
     for (int i = 0; i < R; ++i) {
       _mm_prefetch(reinterpret_cast<const char*>(rs0 + i * blocks + b0) + kScalePrefetch, _MM_HINT_T0);
-      const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(in_group, rs0 + i * blocks + b0));
+      const __m512 d = group_scales<Codes>(rs0 + i * blocks + b0, in_group);
       dsx[i] = _mm512_mul_ps(d, sxv);
       acc[i] = _mm512_fnmadd_ps(d, offv, acc[i]);
     }
@@ -260,7 +297,8 @@ MOSAIC_VNNI inline void q4_vnni_rows(const uint8_t* row0, const uint16_t* rs0, i
         const uint8_t* at = row0 + i * row_bytes + p * 64;
         _mm_prefetch(reinterpret_cast<const char*>(at + kVnniPrefetch), static_cast<_mm_hint>(Hint));
         const __m512i v = in == 4 ? _mm512_loadu_si512(at) : _mm512_maskz_loadu_epi8((1ull << (in * 16)) - 1, at);
-        const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        if constexpr (mx) lo = _mm512_shuffle_epi8(table, lo), hi = _mm512_shuffle_epi8(table, hi);
         const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, ql), hi, qh);
         acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(lane_block[k], dsx[i]), acc[i]);
       }
@@ -273,11 +311,14 @@ MOSAIC_VNNI inline void q4_vnni_rows(const uint8_t* row0, const uint16_t* rs0, i
 // loop; with the scales prefetched one row is 1.07x two (the same A/B).
 constexpr int kVnniRows = 1;
 
-MOSAIC_VNNI void q4_vnni(const MatvecArgs& a) {
+// Q4 (Codes = Q4Codes) or MXFP4 (Mxfp4Codes) against int8 activations.
+template <typename Codes>
+MOSAIC_VNNI void int8_matvec(const MatvecArgs& a) {
+  constexpr bool mx = std::is_same<Codes, Mxfp4Codes>::value;
   thread_local QuantisedX qx;
   const int blocks = (a.cols + kQ4 - 1) / kQ4, quads = (blocks + 3) / 4, groups = (blocks + kGroup - 1) / kGroup;
-  quantise_x(a, quads, groups, qx);
-  const auto* scales = static_cast<const uint16_t*>(a.scales);
+  quantise_x<Codes>(a, quads, groups, qx);
+  const auto* scales = static_cast<const std::conditional_t<mx, uint8_t, uint16_t>*>(a.scales);
   // Lane -> block within a group, for quad k of the group: lanes 4j..4j+3 are block 4k + j.
   __m512i lane_block[kGroup / 4];
   for (int k = 0; k < kGroup / 4; ++k)
@@ -287,22 +328,25 @@ MOSAIC_VNNI void q4_vnni(const MatvecArgs& a) {
   const float *sx0 = qx.sx.data(), *off0 = qx.off.data();
   for (int r = 0; r < a.rows; r += kVnniRows) {
     const uint8_t* row = a.codes + static_cast<uint64_t>(r) * blocks * kQ4Bytes;
-    const uint16_t* rs = scales + static_cast<uint64_t>(r) * blocks;
+    const auto* rs = scales + static_cast<uint64_t>(r) * blocks;
     for (int t = 0; t < a.n; ++t) {
       const int8_t* q = q0 + static_cast<size_t>(t) * quads * 128;
       const size_t b = static_cast<size_t>(t) * groups * kGroup;
       float* y = a.y + static_cast<uint64_t>(t) * a.ldy + r;
       for (int i = 0; i < kVnniRows && r + i < a.rows; ++i) {
         const uint8_t* ri = row + static_cast<uint64_t>(i) * blocks * kQ4Bytes;
-        const uint16_t* si = rs + static_cast<uint64_t>(i) * blocks;
+        const auto* si = rs + static_cast<uint64_t>(i) * blocks;
         if (a.cols > kL2PrefetchCols)
-          q4_vnni_rows<1, _MM_HINT_T1>(ri, si, blocks, groups, q, sx0 + b, off0 + b, lane_block, y + i);
+          q4_vnni_rows<1, _MM_HINT_T1, Codes>(ri, si, blocks, groups, q, sx0 + b, off0 + b, lane_block, y + i);
         else
-          q4_vnni_rows<1, _MM_HINT_T0>(ri, si, blocks, groups, q, sx0 + b, off0 + b, lane_block, y + i);
+          q4_vnni_rows<1, _MM_HINT_T0, Codes>(ri, si, blocks, groups, q, sx0 + b, off0 + b, lane_block, y + i);
       }
     }
   }
 }
+
+MOSAIC_VNNI void q4_vnni(const MatvecArgs& a) { int8_matvec<Q4Codes>(a); }
+MOSAIC_VNNI void mxfp4_vnni(const MatvecArgs& a) { int8_matvec<Mxfp4Codes>(a); }
 
 // MXFP4 in float: a block's 32 codes (byte j: elements 2j and 2j + 1) through the E2M1 table with one
 // vpermps per 16, times the block's power-of-two scale.
@@ -343,6 +387,6 @@ MOSAIC_AVX512 void mxfp4_avx512(const MatvecArgs& a) {
 }  // namespace
 
 IsaKernels avx512_kernels() { return {q4_avx512, fp8_avx512, mxfp4_avx512}; }
-IsaKernels avx512_vnni_kernels() { return {q4_vnni, fp8_avx512, mxfp4_avx512}; }
+IsaKernels avx512_vnni_kernels() { return {q4_vnni, fp8_avx512, mxfp4_vnni}; }
 
 }  // namespace mosaic
