@@ -127,7 +127,7 @@ def qwen3_moe_tensors(cfg: dict, fp8: bool) -> list[tuple[str, str, list[int]]]:
     return out
 
 
-_BYTES = {"BF16": 2, "F8_E4M3": 1, "F32": 4}
+_BYTES = {"BF16": 2, "F8_E4M3": 1, "F32": 4, "U8": 1}
 
 
 def hybrid_tensors(cfg: dict, fp8: bool = False) -> list[tuple[str, str, list[int]]]:
@@ -336,6 +336,29 @@ def deepseek_tensors(cfg: dict, fp8: bool = False) -> list[tuple[str, str, list[
     return out
 
 
+def gpt_oss_tensors(cfg: dict, fp8: bool = False) -> list[tuple[str, str, list[int]]]:
+    """(name, dtype, shape) of every tensor of a gpt-oss release, as TENSORS.md lists gpt-oss-20b's: MXFP4
+    experts (blocks and E8M0 scales, gate and up rows interleaved), bf16 biases, sinks and the rest."""
+    assert not fp8, "gpt-oss ships MXFP4"
+    h, v, heads, kv, hd = (cfg[k] for k in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads",
+                                             "head_dim"))
+    e, inter = cfg["num_local_experts"], cfg["intermediate_size"]
+    out = [("model.embed_tokens.weight", "BF16", [v, h]), ("model.norm.weight", "BF16", [h]),
+           ("lm_head.weight", "BF16", [v, h])]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        for name, rows, cols in (("q", heads * hd, h), ("k", kv * hd, h), ("v", kv * hd, h), ("o", h, heads * hd)):
+            out += [(f"{p}self_attn.{name}_proj.weight", "BF16", [rows, cols]), (f"{p}self_attn.{name}_proj.bias", "BF16", [rows])]
+        out += [(p + "self_attn.sinks", "BF16", [heads]), (p + "input_layernorm.weight", "BF16", [h]),
+                (p + "post_attention_layernorm.weight", "BF16", [h]), (p + "mlp.router.weight", "BF16", [e, h]),
+                (p + "mlp.router.bias", "BF16", [e])]
+        for proj, rows, cols in (("gate_up_proj", 2 * inter, h), ("down_proj", h, inter)):
+            out += [(f"{p}mlp.experts.{proj}_blocks", "U8", [e, rows, cols // 32, 16]),
+                    (f"{p}mlp.experts.{proj}_scales", "U8", [e, rows, cols // 32]),
+                    (f"{p}mlp.experts.{proj}_bias", "BF16", [e, rows])]
+    return out
+
+
 def write_sparse_safetensors(path: Path, tensors: list[tuple[str, str, list[int]]]) -> None:
     """A real safetensors header followed by a hole as large as the data would be."""
     meta, at = {"__metadata__": {"format": "pt"}}, 0
@@ -361,7 +384,7 @@ def skeleton(config_name: str, out: Path, *, shard_bytes: int = 5 << 30) -> Path
     shards, current, size = [], [], 0
     tensors = {"qwen3_next": hybrid_tensors, "qwen3_5_moe": hybrid_tensors, "qwen3_5_moe_text": hybrid_tensors,
                "qwen3_moe": qwen3_moe_tensors, "deepseek_v2": deepseek_tensors, "deepseek_v3": deepseek_tensors,
-               "kimi_k2": deepseek_tensors}.get(cfg["model_type"], decoder_tensors)
+               "kimi_k2": deepseek_tensors, "gpt_oss": gpt_oss_tensors}.get(cfg["model_type"], decoder_tensors)
     for t in tensors(cfg, fp8):
         n = _BYTES[t[1]]
         for s in t[2]:

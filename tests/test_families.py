@@ -22,6 +22,7 @@ from mosaic_shatter.checkpoint import Checkpoint
 from mosaic_shatter.cli import probe_report
 from mosaic_shatter.convert import convert
 from mosaic_shatter.plan import make_plan
+from mosaic_runtime.vault.format import QUANT_NAMES, record_layout
 from reference import StepSpy, reference_model
 
 transformers = pytest.importorskip("transformers")
@@ -136,6 +137,37 @@ def test_probe_of_the_real_scale_skeleton(tmp_path, family, monkeypatch):
     per_token = (mla["kv_lora_rank"] + mla["qk_rope_head_dim"] if mla else
                  2 * plan.arch["num_key_value_heads"] * plan.arch["head_dim"]) * len(recipe.attention_layers)
     assert report["kv_bytes_per_1k_tokens"]["bfloat16"] == 2 * 1024 * per_token
+
+
+# gpt-oss releases: tensors; MXFP4 and Q4 g32 expert weight bytes (bias planes aside); the bf16 backbone
+# less the expert biases, which the records hold. 20b: TENSORS.md (its "Original MXFP4 expert payload", its
+# Q4 g32 vault, its backbone less 24 x 32 x (5760 + 2880) bf16 biases); 120b: computed from its config.
+GPT_OSS_SKELETONS = {
+    "gpt-oss-20b": ("gpt-oss-20b.config.json", 459, 10_152_345_600, 10_749_542_400, 3_608_919_168 - 13_271_040),
+    "gpt-oss-120b": ("gpt-oss-120b.config.json", 687, 60_914_073_600, 64_497_254_400, 4_255_115_904),
+}
+
+
+@pytest.mark.parametrize("release", sorted(GPT_OSS_SKELETONS))
+def test_probe_of_the_gpt_oss_skeletons(tmp_path, release, monkeypatch):
+    config, tensors, mxfp4, q4, backbone = GPT_OSS_SKELETONS[release]
+    monkeypatch.setattr(Checkpoint, "read", lambda *a, **k: pytest.fail("probe read a weight"))
+    ckpt = Checkpoint(str(skeleton(config, tmp_path / release)))
+    assert len(ckpt.tensors) == tensors
+    plan = make_plan(ckpt)
+    report = probe_report(ckpt, plan)
+    assert report["problems"] == [] and report["model_type"] == "gpt_oss" and plan.expert_bias
+    assert plan.source_format["expert_dtype"] == "MXFP4" and plan.passthrough(QUANT_NAMES["mxfp4"])
+    n, hidden, inter = report["num_records"], plan.hidden, plan.intermediate
+    for quant, weights in (("mxfp4", mxfp4), ("q4", q4)):
+        layout = record_layout(QUANT_NAMES[quant], plan.scale_dtype(QUANT_NAMES[quant]), hidden, inter, bias=True)
+        assert n * sum(p.nbytes for p in layout.planes if p.kind != "bias") == weights
+        assert sum(p.nbytes for p in layout.planes if p.kind == "bias") == 4 * (2 * inter + hidden)
+        assert report["record_bytes"][quant] == layout.record_bytes
+        assert 0 < report["vault_bytes"][quant] - n * layout.record_bytes < 1 << 20
+    assert report["backbone_bytes"] == backbone
+    recipe = read_recipe(plan.arch)
+    assert [layer.mixer.sliding_window for layer in recipe.layers[:2]] == [128, None]
 
 
 @pytest.mark.parametrize("case", sorted(c for c in CASES if CASES[c].model_type.startswith("deepseek")))

@@ -72,7 +72,7 @@ def test_probe_json_cli(skeletons):
     r = json.loads(res.stdout)
     for key in ("model_type", "num_layers", "num_experts", "top_k", "vault_bytes", "backbone_bytes"):
         assert key in r
-    assert r["model_type"] == "qwen3_moe" and set(r["vault_bytes"]) == {"q4", "fp8"}
+    assert r["model_type"] == "qwen3_moe" and set(r["vault_bytes"]) == {"q4", "fp8", "mxfp4"}
     assert r["source_format"]["files"] > 1  # sharded, read through its index
 
 
