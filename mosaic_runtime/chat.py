@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from .generate import Detokenizer
+from .harmony import ANALYSIS, FINAL, HarmonyStream, is_harmony
 from .prompt_cache import common_prefix
 
 
@@ -18,12 +19,17 @@ class Conversation:
     and prefilled. Otherwise the whole text is tokenised and the cache is kept up to the longest prefix
     the two token lists share. A conversation owns its engine's cache: other calls that refill it
     (engine.logits, generate) must be followed by `reset`.
+
+    A model that answers in harmony's channels (gpt-oss, harmony.py) streams its final channel, and its
+    analysis channel too when show_analysis (each introduced by "[analysis] " or "[final] "); the turn keeps
+    the analysis as the message's `thinking`, which the template renders or drops as it defines.
     """
 
-    def __init__(self, engine, system: str | None = None):
+    def __init__(self, engine, system: str | None = None, show_analysis: bool = False):
         if engine.codec is None or not engine.codec.chat_template:
             raise ValueError("this model directory has no tokenizer.json with a chat template")
-        self.engine, self.system = engine, system
+        self.engine, self.system, self.show_analysis = engine, system, show_analysis
+        self.harmony = is_harmony(engine.codec)
         self.reset()
 
     def reset(self) -> None:
@@ -47,23 +53,56 @@ class Conversation:
 
     def ask(self, text: str, **sampling) -> Iterator[str]:
         """Stream the answer to a user message. Stopping early (an interrupted answer) keeps what was said."""
-        codec, state = self.engine.codec, self.engine.model.state
+        state = self.engine.model.state
         self.messages.append({"role": "user", "content": text})
         try:
             ids, keep = self._prompt()
         except ValueError:  # the template failed on it (ChatTemplateError): the turn never happened
             self.messages.pop()
             raise
-        detok, answer = Detokenizer(codec), []
+        answer: list[int] = []
+        reply = {"role": "assistant", "content": ""}
+        # stops at the template's end of turn and the checkpoint's eos ids (gpt-oss: <|return|>, <|call|>)
+        tokens = self.engine.generate_ids(ids[keep:], cached=keep, stop_ids=self.engine.codec.end_of_turn_ids,
+                                          **sampling)
         try:
-            for token in self.engine.generate_ids(ids[keep:], cached=keep, stop_ids=codec.end_of_turn_ids, **sampling):
-                answer.append(token)
-                piece = detok.push(token)
-                if piece:
-                    yield piece
-            tail = detok.flush()
-            if tail:
-                yield tail
+            yield from (self._channels(tokens, answer, reply) if self.harmony else self._text(tokens, answer, reply))
         finally:
             self.cached_ids = (ids + answer)[:state.length]
-            self.messages.append({"role": "assistant", "content": codec.decode(answer)})
+            self.messages.append(reply)
+
+    def _text(self, tokens, answer: list[int], reply: dict) -> Iterator[str]:
+        detok = Detokenizer(self.engine.codec)
+        try:
+            for token in tokens:
+                answer.append(token)
+                if piece := detok.push(token):
+                    yield piece
+            if tail := detok.flush():
+                yield tail
+        finally:
+            reply["content"] = self.engine.codec.decode(answer)
+
+    def _channels(self, tokens, answer: list[int], reply: dict) -> Iterator[str]:
+        """A harmony answer: the final channel's text (and the analysis', when shown) as it streams."""
+        stream, shown = HarmonyStream(self.engine.codec), None
+        visible = (FINAL, ANALYSIS) if self.show_analysis else (FINAL,)
+
+        def show(got) -> str:
+            nonlocal shown
+            if got is None or got[0] not in visible:
+                return ""
+            lead = ("\n" if shown else "") + f"[{got[0]}] " if self.show_analysis and got[0] != shown else ""
+            shown = got[0]
+            return lead + got[1]
+        try:
+            for token in tokens:
+                answer.append(token)
+                if piece := show(stream.push(token)):
+                    yield piece
+            if piece := show(stream.flush()):
+                yield piece
+        finally:
+            reply["content"] = stream.text(FINAL)
+            if stream.text(ANALYSIS):
+                reply["thinking"] = stream.text(ANALYSIS)

@@ -93,8 +93,11 @@ def main() -> None:
 @click.option("--kv-dtype", type=click.Choice(["float32", "bfloat16", "int8"]), default="float32", show_default=True,
               help="what the KV cache holds: bfloat16 and int8 take a half and a quarter of the memory")
 @click.option("--threads", type=int, help="threads for the kernels (default: every core)")
+@click.option("--show-analysis", is_flag=True,
+              help="models that answer in harmony's channels (gpt-oss): show the analysis channel (the reasoning) "
+                   "before the final answer")
 def chat(model, system, temperature, top_p, max_tokens, ram_budget, io, max_seq, seed, exact, backbone, kernel,
-         kv_dtype, threads) -> None:
+         kv_dtype, threads, show_analysis) -> None:
     """Chat with MODEL: a directory written by `mosaic-shatter convert`, or a name in the store (`mosaic list`)."""
     from .chat import Conversation
     from .engine import Engine
@@ -108,7 +111,7 @@ def chat(model, system, temperature, top_p, max_tokens, ram_budget, io, max_seq,
         engine = Engine.open(model, ram_budget=parse_size(ram_budget), io=io, threads=threads, max_seq=max_seq,
                              precision="exact" if exact else "fast", kernel=kernel, backbone=backbone,
                              kv_dtype=kv_dtype, verbose=True)
-        conversation = Conversation(engine, system)
+        conversation = Conversation(engine, system, show_analysis)
     except (VaultError, ValueError, NotImplementedError) as e:
         click.echo(f"mosaic: {e}", err=True)
         sys.exit(1)
