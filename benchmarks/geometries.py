@@ -50,6 +50,18 @@ GEOMETRIES = {
         "first_k_dense_replace": 1, "norm_topk_prob": True, "num_attention_heads": 96, "num_key_value_heads": 8,
         "head_dim": 128, "attention_bias": True, "partial_rotary_factor": 0.5, "use_qk_norm": False,
         "rope_theta": 1e6, "rms_norm_eps": 1e-5, "num_nextn_predict_layers": 0},
+    # gpt-oss-20b: 64 query heads of 64 over 8 KV heads with biases and sinks, 128-token windows on alternate
+    # layers, 32 experts of 2880 with biases, top-4, released in MXFP4 (blocks and E8M0 scales, random here)
+    "gpt-oss-20b": {
+        "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "hidden_size": 2880,
+        "intermediate_size": 2880, "num_local_experts": 32, "num_experts_per_tok": 4, "experts_per_token": 4,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "attention_bias": True,
+        "sliding_window": 128, "swiglu_limit": 7.0, "rms_norm_eps": 1e-5, "rope_theta": 150000,
+        "initial_context_length": 4096,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096},
+        "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}},
     # DeepSeek-V3 / R1 (Kimi-K2 shares the layer): multi-head latent attention (128 heads, q rank 1536, a
     # cached latent of 512 + 64), a dense first layer of 18432, then experts of 2048 (here 32 of its 256 a
     # layer: a token reads 8 whatever the count) with a shared expert, sigmoid routing with a score bias
@@ -74,13 +86,17 @@ def config(name: str, layers: int) -> dict:
     text.update(num_hidden_layers=layers, vocab_size=VOCAB, max_position_embeddings=4096, tie_word_embeddings=False,
                 hidden_act="silu")
     cfg.update(torch_dtype="bfloat16", vocab_size=VOCAB, tie_word_embeddings=False)
+    if cfg["model_type"] == "gpt_oss":
+        cfg["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
     return cfg
 
 
 def tensors(cfg: dict) -> list[tuple[str, str, list[int]]]:
     sys.path.insert(0, str(ROOT / "tests"))
-    from builders import decoder_tensors, deepseek_tensors, hybrid_tensors, qwen3_moe_tensors
+    from builders import decoder_tensors, deepseek_tensors, gpt_oss_tensors, hybrid_tensors, qwen3_moe_tensors
     kind = cfg["model_type"]
+    if kind == "gpt_oss":
+        return gpt_oss_tensors(cfg)
     if kind == "qwen3_moe":
         return qwen3_moe_tensors(cfg, fp8=False)
     if kind == "deepseek_v3":
@@ -108,9 +124,13 @@ def build(name: str, path: Path, layers: int = 8) -> Path:
         weight_map.update({k: file for k in shard})
         shard, size, n = {}, 0, n + 1
 
-    dtypes = {"BF16": torch.bfloat16, "F32": torch.float32}
+    dtypes = {"BF16": torch.bfloat16, "F32": torch.float32, "U8": torch.uint8}
     for tensor, dtype, shape in tensors(cfg):
-        if tensor.endswith(("A_log", "dt_bias", "e_score_correction_bias")):
+        if tensor.endswith("_blocks"):  # MXFP4 codes, any
+            t = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+        elif tensor.endswith("_scales"):  # E8M0 around 2^-7: weights of std ~0.02 like the others
+            t = torch.randint(118, 123, shape, generator=g, dtype=torch.uint8)
+        elif tensor.endswith(("A_log", "dt_bias", "e_score_correction_bias")):
             t = torch.rand(*shape, generator=g) * 0.1  # a slow decay, a small bias
         elif len(shape) == 1:
             t = torch.ones(*shape)  # norms

@@ -11,7 +11,10 @@ Cases (the random-weight models have a real model's per-layer geometry and 8 lay
   (q35) Qwen3.5-35B-A3B's geometry (6 Gated DeltaNet and 2 gated-attention layers), in RAM;
   (glm) GLM-4.5-Air's geometry (a dense first layer, 32 of its 128 experts a layer), in RAM;
   (ds3) DeepSeek-V3's geometry (latent attention, a dense first layer, 32 of its 256 experts a layer, 4
-        layers), in RAM; llama.cpp runs it as its `deepseek2` architecture.
+        layers), in RAM; llama.cpp runs it as its `deepseek2` architecture;
+  (oss) gpt-oss-20b's geometry as released (MXFP4 experts with biases, attention sinks, alternating 128-token
+        windows), in RAM: Mosaic from its MXFP4 vault (the checkpoint's codes bit for bit), llama.cpp from
+        the MXFP4 GGUF its converter writes (experts MXFP4 as released, the rest bf16), not re-quantised.
 The GGUF comes from llama.cpp's own converter (convert_hf_to_gguf.py, in the llama-cpp-python source
 distribution, fetched with `pip download` if --llama-src is not given) at bf16, then llama.cpp's quantiser
 to Q4_0. The converter refuses tokenizers whose pre-tokenizer it does not know by hash; these checkpoints'
@@ -56,8 +59,10 @@ MOSAIC_CONFIGS = {  # name -> Engine.open settings
     "mosaic q4 backbone": dict(backbone="q4"),
 }
 GEOMETRY_CASES = {"a": "qwen3-30b-a3b", "b": "qwen3-30b-a3b", "q35": "qwen3.5-35b-a3b", "glm": "glm-4.5-air",
-                  "ds3": "deepseek-v3"}
+                  "ds3": "deepseek-v3", "oss": "gpt-oss-20b"}
+MXFP4_CASES = {"oss"}  # released in MXFP4: both engines run the release's expert bytes
 LLAMA_CONFIGS = {"llama.cpp Q4_0": True, "llama.cpp Q4_0 no-repack": False}  # name -> weight repacking
+LLAMA_MXFP4_CONFIGS = {"llama.cpp MXFP4": True, "llama.cpp MXFP4 no-repack": False}
 ENGINE_BYTES = 850 << 20  # case (b): what Mosaic needs besides its ring (backbone, torch, KV cache)
 
 
@@ -198,15 +203,18 @@ def convert_worker(src: str, ckpt: str, out: str) -> None:
     convert_hf_to_gguf.main()
 
 
-def make_gguf(ckpt: Path, name: str, src: Path) -> Path:
-    q4 = DATA / "peer" / f"{name}.Q4_0.gguf"
+def make_gguf(ckpt: Path, name: str, src: Path, mxfp4: bool = False) -> Path:
+    """llama.cpp's Q4_0 GGUF of ckpt; with mxfp4, the GGUF its converter writes (MXFP4 experts kept)."""
+    q4 = DATA / "peer" / f"{name}.{'MXFP4' if mxfp4 else 'Q4_0'}.gguf"
     if q4.exists():
         return q4
-    bf16 = q4.with_suffix("").with_suffix(".bf16.gguf")
+    bf16 = q4 if mxfp4 else q4.with_suffix("").with_suffix(".bf16.gguf")
     if not bf16.exists():
         tmp = bf16.with_suffix(".partial")
         subprocess.run([sys.executable, __file__, "--convert", str(src), str(ckpt), str(tmp)], check=True)
         tmp.rename(bf16)
+    if mxfp4:
+        return q4
     import llama_cpp as L
     params = L.llama_model_quantize_default_params()
     params.ftype = L.LLAMA_FTYPE_MOSTLY_Q4_0
@@ -219,11 +227,11 @@ def make_gguf(ckpt: Path, name: str, src: Path) -> Path:
     return q4
 
 
-def make_vault(ckpt: Path, name: str) -> Path:
-    out = DATA / "peer" / f"{name}-q4"
+def make_vault(ckpt: Path, name: str, quant: str = "q4") -> Path:
+    out = DATA / "peer" / f"{name}-{quant}"
     if not (out / "experts.vault").exists():
         from mosaic_shatter.convert import convert
-        convert(str(ckpt), out, "q4", progress=False, force=True)
+        convert(str(ckpt), out, quant, progress=False, force=True)
     return out
 
 
@@ -280,10 +288,12 @@ def main() -> None:
         else:
             geometry = GEOMETRY_CASES[case]
             ckpt = random_checkpoint(geometry)
-            models[case] = (make_vault(ckpt, ckpt.name), make_gguf(ckpt, ckpt.name, src))
+            mxfp4 = case in MXFP4_CASES
+            models[case] = (make_vault(ckpt, ckpt.name, "mxfp4" if mxfp4 else "q4"),
+                            make_gguf(ckpt, ckpt.name, src, mxfp4))
     print(f"llama-cpp-python {importlib.metadata.version('llama-cpp-python')}; threads {args.threads}; "
           f"prompt {args.prompt} tokens, {args.tokens} decoded; page cache dropped before each run")
-    print("| case | engine | cold TTFT s | prefill tok/s | decode tok/s | decode vs llama.cpp Q4_0 | "
+    print("| case | engine | cold TTFT s | prefill tok/s | decode tok/s | decode vs llama.cpp (default) | "
           "weight MB per token | token time / (bytes / bandwidth) | KV KB per token | "
           "Mosaic ring hit rate, MB read per token |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -296,7 +306,9 @@ def main() -> None:
             print(f"(b): cgroup limit {limit / 1e9:.2f} GB; Mosaic's ring {(limit - ENGINE_BYTES) / 1e9:.2f} GB")
         runs: dict[str, list[dict]] = {}
         bws = []
-        llama_configs = {"llama.cpp Q4_0 no-repack": False} if limit else LLAMA_CONFIGS  # repacked: no progress
+        llama_configs = LLAMA_MXFP4_CONFIGS if case in MXFP4_CASES else LLAMA_CONFIGS
+        if limit:  # repacked, it made no progress under the limit
+            llama_configs = {name: False for name, repack in llama_configs.items() if not repack}
         for _ in range(args.rounds):
             bws.append(bandwidth(args.threads))
             for name, settings in list(MOSAIC_CONFIGS.items()) + list(llama_configs.items()):

@@ -27,12 +27,13 @@ def encode_expert(ckpt: Checkpoint, sources: dict[str, ProjectionSource], layout
             with the same 128 x 128 blocks into an FP8 vault (codes and scales bit for bit), packed int4 in
             groups of 32 into a Q4 vault (int4_source.as_q4), MXFP4 blocks into an MXFP4 vault.
     """
-    reads: dict[tuple, torch.Tensor] = {}
+    reads: dict[tuple[str, str], torch.Tensor] = {}
 
     def read(name: str, index: tuple) -> torch.Tensor:  # gate and up may share one interleaved read
-        if (name, index) not in reads:
-            reads[(name, index)] = ckpt.read(name, index)
-        return reads[(name, index)]
+        key = (name, repr(index))  # slices are not hashable before Python 3.12
+        if key not in reads:
+            reads[key] = ckpt.read(name, index)
+        return reads[key]
 
     planes, biases = {}, {}
     for proj in PROJECTIONS:
