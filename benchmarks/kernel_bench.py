@@ -101,8 +101,9 @@ def main() -> None:
         torch_ms = time_torch(hidden, inter, args.threads, 40) * 1e3
         cases = [(QuantType.Q4_G32, K.best_isa()), (QuantType.FP8_B128, K.best_isa()),
                  (QuantType.MXFP4_G32, K.best_isa())]
-        if K.int8_isa() is not None:  # the fast default's Q4 kernel (int8 activations)
+        if K.int8_isa() is not None:  # the fast default's kernels (int8 activations; MXFP4's under VNNI)
             cases.insert(1, (QuantType.Q4_G32, K.int8_isa()))
+            cases.append((QuantType.MXFP4_G32, K.int8_isa()))
         for quant, isa in cases:
             layout, pool = records_pool(quant, hidden, inter, bias)
             flat = pool.reshape(-1)
