@@ -91,3 +91,21 @@ class HarmonyStream:
             if tail:
                 self._add(tail)
         self._in_header, self._header, self._text = True, [], None
+
+
+class FinalText:
+    """A Detokenizer's interface (push a token, get new text; flush) over a harmony answer: the final
+    channel's text only, for clients that take one answer (the server's APIs)."""
+
+    def __init__(self, codec: TextCodec):
+        self.stream = HarmonyStream(codec)
+
+    def push(self, token: int) -> str:
+        return self._final(self.stream.push(token))
+
+    def flush(self) -> str:
+        return self._final(self.stream.flush())
+
+    @staticmethod
+    def _final(got: tuple[str, str] | None) -> str:
+        return got[1] if got is not None and got[0] == FINAL else ""

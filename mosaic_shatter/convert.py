@@ -209,7 +209,12 @@ def convert(source: str, out: str | os.PathLike, quant: str, *, revision: str | 
             window: deque[tuple[int, Future]] = deque()
 
             def write(j: int, fut: Future) -> None:
-                writer.write_record(j, fut.result())
+                try:
+                    record = fut.result()
+                except ValueError as e:  # weights no vault can hold (inf or nan, an E8M0 scale of NaN)
+                    layer, expert = keys[j]
+                    raise ConvertError(f"layer {layer} expert {expert}: {e}") from None
+                writer.write_record(j, record)
                 bar.update(expert_source_bytes)
                 unjournaled.append((j, writer.crcs[j]))
                 if len(unjournaled) >= JOURNAL_EVERY:

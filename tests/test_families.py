@@ -9,6 +9,8 @@ decode (generate) diverges from its full forward on the hybrids with its torch f
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -18,11 +20,12 @@ from mosaic_runtime import routing
 from mosaic_runtime.engine import Engine
 from mosaic_runtime.models import decoder as decoder_module
 from mosaic_runtime.recipe import read_recipe
+from mosaic_runtime.vault.format import QUANT_NAMES, record_layout
+from mosaic_runtime.vault.record import unpack_record
 from mosaic_shatter.checkpoint import Checkpoint
 from mosaic_shatter.cli import probe_report
-from mosaic_shatter.convert import convert
+from mosaic_shatter.convert import ConvertError, convert
 from mosaic_shatter.plan import make_plan
-from mosaic_runtime.vault.format import QUANT_NAMES, record_layout
 from reference import StepSpy, reference_model
 
 transformers = pytest.importorskip("transformers")
@@ -251,6 +254,55 @@ def test_int4_experts_reach_a_q4_vault_as_they_are(int4_release, tmp_path):
                     q = unpack_from_int32(packed, 4, torch.Size(w.shape)).float()
                     want = (q.view(w.shape[0], -1, 32) * scale.float()[..., None]).reshape(w.shape)
                     assert torch.equal(w, want), (layer, e, proj)
+
+
+def test_mxfp4_experts_reach_an_mxfp4_vault_bit_for_bit(vaults):
+    """gpt-oss's MXFP4 release into an MXFP4 vault: each record's codes and scales are the checkpoint's rows
+    (gate the even rows of gate_up, up the odd ones) byte for byte, its biases the checkpoint's, and every
+    dequantised expert equals transformers' own dequantisation of the release exactly."""
+    from safetensors import safe_open
+    transformers = pytest.importorskip("transformers")
+    ckpt, out = vaults("gpt_oss", "mxfp4", "mxfp4")
+    engine = Engine.open(out, max_seq=64, precision="exact")
+    vault = engine.vault
+    assert vault.lineage["quant"]["passthrough"] is True and vault.layout.bias
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        ckpt, dtype=torch.float32, quantization_config=transformers.Mxfp4Config(dequantize=True))
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        for layer in vault.moe_layers:
+            p = f"model.layers.{layer}.mlp.experts."
+            blocks = {n: f.get_tensor(f"{p}{n}_proj_blocks") for n in ("gate_up", "down")}
+            scales = {n: f.get_tensor(f"{p}{n}_proj_scales") for n in ("gate_up", "down")}
+            biases = {n: f.get_tensor(f"{p}{n}_proj_bias") for n in ("gate_up", "down")}
+            experts = ref.model.layers[layer].mlp.experts
+            for e in range(engine.arch["num_experts"]):
+                planes = unpack_record(vault.layout, vault.read_record(layer, e))
+                rows = {"gate": ("gate_up", slice(0, None, 2)), "up": ("gate_up", slice(1, None, 2)),
+                        "down": ("down", slice(None))}
+                got_biases = vault.expert_biases(layer, e)
+                for proj, (name, r) in rows.items():
+                    codes, sc = planes[proj]
+                    assert torch.equal(codes, blocks[name][e][r].reshape(codes.shape)), (layer, e, proj)
+                    assert torch.equal(sc, scales[name][e][r]), (layer, e, proj)
+                    assert torch.equal(got_biases[proj], biases[name][e][r].float())
+                gate, up, down = vault.dequantize_expert(layer, e)
+                assert torch.equal(gate.T, experts.gate_up_proj[e][:, 0::2].float())
+                assert torch.equal(up.T, experts.gate_up_proj[e][:, 1::2].float())
+                assert torch.equal(down.T, experts.down_proj[e].float())
+
+
+def test_an_mxfp4_scale_of_nan_is_refused_by_expert(vaults, tmp_path):
+    """E8M0 255 is NaN: a release holding one converts to no vault, and the error names the expert."""
+    from safetensors.torch import load_file, save_file
+    ckpt, _ = vaults("gpt_oss", "mxfp4", "mxfp4")
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    tensors = load_file(bad / "model.safetensors")
+    tensors["model.layers.1.mlp.experts.down_proj_scales"][2, 5, 0] = 255
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConvertError, match="layer 1 expert 2: an E8M0 scale is 255"):
+        convert(str(bad), tmp_path / "out", "mxfp4", progress=False)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("quant", ["q4", "fp8"])

@@ -14,7 +14,7 @@ from families import BASE, CASES
 from mosaic_runtime.chat import Conversation
 from mosaic_runtime.engine import Engine
 from mosaic_runtime.generate import TextCodec
-from mosaic_runtime.harmony import ANALYSIS, FINAL, HarmonyStream, is_harmony
+from mosaic_runtime.harmony import ANALYSIS, FINAL, FinalText, HarmonyStream, is_harmony
 from mosaic_shatter.convert import convert
 
 TEMPLATE = Path(__file__).parent / "data" / "templates" / "gpt-oss.jinja"
@@ -98,3 +98,10 @@ def test_chat_shows_the_final_channel_and_the_analysis_on_request(engine, monkey
     assert "<|channel|>final<|message|>Hello ✓ wörld<|end|>" in text and "greets" not in text
     scripted(engine, monkeypatch, "<|channel|>final<|message|>Again.<|return|>")
     assert "".join(chat.ask("again")).endswith("Again.")
+
+
+def test_the_server_answers_with_the_final_channel(engine):
+    """What the server's worker streams for a harmony model (FinalText in place of a Detokenizer)."""
+    final = FinalText(engine.codec)
+    text = "".join(final.push(t) for t in engine.codec.encode(ANSWER)) + final.flush()
+    assert text == "Hello ✓ wörld"

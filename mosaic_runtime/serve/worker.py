@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 from ..generate import Detokenizer, StopText
+from ..harmony import FinalText, is_harmony
 from ..vault.format import VaultError
 from .fleet import Fleet, ModelEntry
 from .request import Generation, RequestError
@@ -135,13 +136,15 @@ class Worker:
 
     @staticmethod
     def _stream(job: Job, engine, cache, tokens, answer: list[int]) -> tuple[str, str | None]:
-        """Emit the answer's text as its tokens come, into answer; (why it ended, the stop string if one)."""
-        cut, detok = StopText(job.gen.stop), Detokenizer(engine.codec)
+        """Emit the answer's text as its tokens come, into answer; (why it ended, the stop string if one). A
+        model answering in harmony's channels (gpt-oss) is answered with its final channel."""
+        cut = StopText(job.gen.stop)
+        text = FinalText(engine.codec) if is_harmony(engine.codec) else Detokenizer(engine.codec)
         for n, token in enumerate(tokens):
             if n == 0:
                 cache.prompt_fed(job.ids)  # the state holds the prompt exactly: a turn boundary
             answer.append(token)
-            out = cut.push(detok.push(token))
+            out = cut.push(text.push(token))
             if out:
                 job.emit(Text(out))
             if cut.stopped is not None:
@@ -150,7 +153,7 @@ class Worker:
                 return "cancelled", None
         if job.cancelled.is_set():  # during prefill: nothing was generated
             return "cancelled", None
-        out = cut.finish(detok.flush())
+        out = cut.finish(text.flush())
         if out:
             job.emit(Text(out))
         if cut.stopped is not None:
