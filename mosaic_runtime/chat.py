@@ -47,8 +47,8 @@ class Conversation:
             return self.cached_ids + codec.encode(text[len(cached_text):]), len(self.cached_ids)
         ids = codec.encode(text)
         keep = min(common_prefix(self.cached_ids, ids), len(ids) - 1)
-        if keep < len(self.cached_ids) and not self.engine.model.state.rewindable:
-            keep = 0  # a recurrent (DeltaNet) state cannot be cut back to a prefix: prefill afresh
+        if keep < len(self.cached_ids) and not self.engine.model.state.resumable(keep):
+            keep = 0  # a recurrent (DeltaNet) state, or a window ring, cannot be cut back that far: prefill afresh
         return ids, keep
 
     def ask(self, text: str, **sampling) -> Iterator[str]:

@@ -11,6 +11,8 @@ alike: its values are its keys' (the same pool), so it stores half of what a key
 The pool holds float32, bf16 or int8. An int8 cache keeps a float32 scale per (position, KV head) row
 beside it (symmetric: amax / 127; llama.cpp's q8_0 cache keeps one per 32 values), about a quarter of
 float32's bytes; its keys and values come back as Int8Rows.
+
+Sliding-window layers keep their keys and values in a WindowCache instead, bounded whatever the context.
 """
 
 from __future__ import annotations
@@ -21,8 +23,12 @@ from typing import NamedTuple
 import torch
 
 from .memory import zeroed_pool
+from .recipe import Attention, ModelRecipe
 
 PAGE_TOKENS = 256
+# Positions a window ring holds beyond its window: the most tokens one forward may add to it, and how far a
+# sequence may be cut back and still find every key its window needs (WindowCache).
+WINDOW_SLACK = 1024
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}  # what a cache may hold
 
 
@@ -163,3 +169,74 @@ class KVCache:
         itemsize 1: and their float32 row scales), before it is allocated."""
         row = head_dim * itemsize + (4 if itemsize == 1 else 0)
         return (1 if shared else 2) * num_layers * (-(-max_seq // page_tokens)) * page_tokens * kv_heads * row
+
+
+def windowed_layers(recipe: ModelRecipe, max_seq: int) -> list[int]:
+    """The sliding-window layers whose keys and values go into a WindowCache: all of them when its ring
+    (twice window + slack positions a layer) is smaller than max_seq, else none (a short context keeps
+    them in the KV cache, which then holds no more)."""
+    windowed = [i for i in recipe.attention_layers
+                if isinstance(recipe.layers[i].mixer, Attention) and recipe.layers[i].mixer.sliding_window]
+    if not windowed or 2 * (recipe.layers[windowed[0]].mixer.sliding_window + WINDOW_SLACK) >= max_seq:
+        return []
+    return windowed
+
+
+class WindowCache:
+    """Keys and values of sliding-window attention layers, bounded at any context: a ring of
+    rows = window + slack positions per layer (position p at row p % rows), each row written twice, at r and
+    at r + rows, so that any run of up to `rows` consecutive positions is one contiguous span of the 2 x rows
+    buffer. Attention reads a window in place that way, in the torch path and in the native step alike.
+
+    One forward may add at most slack + 1 positions (store()); a sequence of length L may continue from any
+    start >= L - slack - 1 (resumable()): the keys its window needs are still in the ring.
+    """
+
+    def __init__(self, num_layers: int, window: int, kv_heads: int, head_dim: int, dtype=torch.float32,
+                 slack: int = WINDOW_SLACK):
+        self.window, self.slack, self.rows = window, slack, window + slack
+        shape = (num_layers, kv_heads, 2 * self.rows, head_dim)
+        self.k, self.v = zeroed_pool(shape, dtype), zeroed_pool(shape, dtype)
+        self.quantized = dtype == torch.int8
+        if self.quantized:
+            self.k_scale, self.v_scale = zeroed_pool(shape[:3], torch.float32), zeroed_pool(shape[:3], torch.float32)
+
+    def resumable(self, start: int, length: int) -> bool:
+        """Whether a sequence holding `length` positions can continue from `start` (<= length)."""
+        return start >= length - self.slack - 1
+
+    def store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
+        """Write k, v [T, Hkv, D] at positions start..start+T-1 (T <= slack + 1); return (keys, values, lo):
+        the layer's rows for positions lo..start+T-1, lo = max(0, start - window + 1), head-major
+        [Hkv, start+T-lo, D] (an int8 cache: as Int8Rows), a view."""
+        t = k.shape[0]
+        if t > self.slack + 1:
+            raise ValueError(f"{t} positions in one step; a window ring takes at most {self.slack + 1}")
+        end = start + t
+        rows = torch.arange(start, end) % self.rows
+        twice = torch.cat([rows, rows + self.rows])
+        if self.quantized:
+            (k, k_scale), (v, v_scale) = quantize_rows(k), quantize_rows(v)
+            self.k_scale[layer][:, twice] = k_scale.T.repeat(1, 2)
+            self.v_scale[layer][:, twice] = v_scale.T.repeat(1, 2)
+        self.k[layer][:, twice] = k.transpose(0, 1).repeat(1, 2, 1).to(self.k.dtype)
+        self.v[layer][:, twice] = v.transpose(0, 1).repeat(1, 2, 1).to(self.v.dtype)
+        lo = max(0, start - self.window + 1)
+        span = slice(lo % self.rows, lo % self.rows + end - lo)
+        if self.quantized:
+            return (Int8Rows(self.k[layer][:, span], self.k_scale[layer][:, span]),
+                    Int8Rows(self.v[layer][:, span], self.v_scale[layer][:, span]), lo)
+        return self.k[layer][:, span], self.v[layer][:, span], lo
+
+    def run(self) -> KVRun:
+        """Every layer's buffer, [L, Hkv, 2 * rows, D] (an int8 cache's scales [L, Hkv, 2 * rows]), for the
+        native step."""
+        if self.quantized:
+            return KVRun(self.k, self.v, self.k_scale, self.v_scale)
+        return KVRun(self.k, self.v)
+
+    @staticmethod
+    def bytes_for(num_layers: int, window: int, kv_heads: int, head_dim: int, itemsize: int = 4,
+                  slack: int = WINDOW_SLACK) -> int:
+        row = head_dim * itemsize + (4 if itemsize == 1 else 0)
+        return 2 * num_layers * 2 * (window + slack) * kv_heads * row

@@ -39,7 +39,9 @@ class PromptCache:
             self.ids, self.snapshots = [], []
         shared = min(common_prefix(self.ids, ids), len(ids) - 1)
         keep = shared
-        if shared < self.state.length and not self.state.rewindable:
+        if shared < self.state.length and self.state.rewindable and not self.state.resumable(shared):
+            keep = 0  # a window ring no longer holds what its layers need at that prefix
+        elif shared < self.state.length and not self.state.rewindable:
             snaps = [s for s in self.snapshots if s.length <= shared]
             keep = max(snaps, key=lambda s: s.length).length if snaps else 0
             if snaps:

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from mosaic_runtime.backbone import BACKBONE_MODES, resident_bytes
-from mosaic_runtime.kv_cache import KV_DTYPES, KVCache
+from mosaic_runtime.kv_cache import KV_DTYPES, KVCache, WindowCache, windowed_layers
 from mosaic_runtime.model_store import models_dir, store_name
 from mosaic_runtime.recipe import read_recipe
 from mosaic_runtime.vault.format import QUANT_NAMES, VaultError
@@ -17,7 +17,7 @@ from mosaic_runtime.vault.format import QUANT_NAMES, VaultError
 from .architectures import OPTIONAL_PARTS, UnsupportedModel
 from .checkpoint import DTYPE_BYTES, Checkpoint, CheckpointError
 from .convert import ConvertError, ConvertInterrupted, convert, needed_disk_bytes
-from .plan import INT4_DTYPE, Plan, make_plan
+from .plan import INT4_DTYPE, MXFP4_DTYPE, Plan, make_plan
 
 WORKERS = 2
 
@@ -64,6 +64,7 @@ def probe_report(ckpt: Checkpoint, plan: Plan) -> dict:
         "resident_bytes": {mode: resident_bytes({t.name: (t.shape, DTYPE_BYTES[t.dtype]) for t in plan.backbone},
                                                 mode, arch["tie_word_embeddings"]) for mode in BACKBONE_MODES},
         "kv_bytes_per_1k_tokens": kv_bytes_per_1k_tokens(arch),
+        "kv_window_bytes": kv_window_bytes(arch),
         "fp8_passthrough": plan.fp8_passthrough(),
         "peak_ram_bytes": plan.peak_ram_bytes(WORKERS),
         "disk_bytes": {name: needed_disk_bytes(ckpt, plan, q) for name, q in QUANT_NAMES.items()},
@@ -73,9 +74,13 @@ def probe_report(ckpt: Checkpoint, plan: Plan) -> dict:
     }
 
 
+LONG_CONTEXT = 1 << 20  # a max_seq long enough for every window ring to pay
+
+
 def kv_bytes_per_1k_tokens(arch: dict) -> dict[str, int] | None:
     """The KV cache 1024 tokens take at each cache dtype the runtime offers (a latent cache for latent
-    attention); None when the runtime cannot read the arch block."""
+    attention), at a long context (sliding-window layers held in their fixed ring, kv_window_bytes); None
+    when the runtime cannot read the arch block."""
     try:
         recipe = read_recipe(arch)
     except NotImplementedError:
@@ -83,7 +88,24 @@ def kv_bytes_per_1k_tokens(arch: dict) -> dict[str, int] | None:
     if recipe.attention is None:
         return {name: 0 for name in KV_DTYPES}
     heads, dim, shared = recipe.attention.cache_geometry
-    return {name: KVCache.bytes_for(len(recipe.attention_layers), 1024, heads, dim, dtype.itemsize, shared=shared)
+    growing = len(recipe.attention_layers) - len(windowed_layers(recipe, LONG_CONTEXT))
+    return {name: KVCache.bytes_for(growing, 1024, heads, dim, dtype.itemsize, shared=shared)
+            for name, dtype in KV_DTYPES.items()}
+
+
+def kv_window_bytes(arch: dict) -> dict[str, int] | None:
+    """What the sliding-window layers' rings hold at a long context, whatever its length, at each cache
+    dtype; None when the model has none (or the runtime cannot read the arch block)."""
+    try:
+        recipe = read_recipe(arch)
+    except NotImplementedError:
+        return None
+    windowed = windowed_layers(recipe, LONG_CONTEXT)
+    if not windowed:
+        return None
+    heads, dim, _ = recipe.attention.cache_geometry
+    window = recipe.layers[windowed[0]].mixer.sliding_window
+    return {name: WindowCache.bytes_for(len(windowed), window, heads, dim, dtype.itemsize)
             for name, dtype in KV_DTYPES.items()}
 
 
@@ -118,9 +140,11 @@ def _print_probe(r: dict) -> None:
     echo(f"  geometry        hidden {r['hidden_size']}, moe_intermediate {r['moe_intermediate_size']}, {heads}, "
          f"rope theta {r['rope']['theta']:g}")
     echo(f"  per expert      source {_size(r['expert_source_bytes'])}; Q4 {_size(r['record_bytes']['q4'])}; "
-         f"FP8 {_size(r['record_bytes']['fp8'])}")
-    echo(f"  vault           Q4 {_size(r['vault_bytes']['q4'])}, FP8 {_size(r['vault_bytes']['fp8'])}"
+         f"FP8 {_size(r['record_bytes']['fp8'])}; MXFP4 {_size(r['record_bytes']['mxfp4'])}")
+    echo(f"  vault           Q4 {_size(r['vault_bytes']['q4'])}, FP8 {_size(r['vault_bytes']['fp8'])}, "
+         f"MXFP4 {_size(r['vault_bytes']['mxfp4'])}"
          f"{' (FP8 passes the source through bit-exactly)' if r['fp8_passthrough'] else ''}"
+         f"{' (MXFP4 passes the source through bit-exactly)' if fmt['expert_dtype'] == MXFP4_DTYPE else ''}"
          f"{' (Q4 takes the source int4 codes as they are)' if fmt['expert_dtype'] == INT4_DTYPE else ''}  "
          f"[{r['num_records']} records]")
     echo(f"  backbone bf16   {_size(r['backbone_bytes'])} ({r['backbone_tensors']} tensors)")
@@ -129,11 +153,14 @@ def _print_probe(r: dict) -> None:
     if r["kv_bytes_per_1k_tokens"] is not None:
         echo("  KV cache        per 1k tokens " + ", ".join(f"{dtype} {_size(n)}" for dtype, n
                                                          in r["kv_bytes_per_1k_tokens"].items()) + " (kv_dtype=)")
+    if r["kv_window_bytes"] is not None:
+        echo("  window layers   fixed at any long context: " + ", ".join(
+            f"{dtype} {_size(n)}" for dtype, n in r["kv_window_bytes"].items()))
     if r["left_out"]:
         echo("  left out        " + ", ".join(f"{part} ({n} tensors)" for part, n in r["left_out"].items())
              + ": text-only (--keep mtp / --keep vision keeps them)")
     echo(f"  convert needs   peak RAM ~{_size(r['peak_ram_bytes'])}; free disk Q4 {_size(r['disk_bytes']['q4'])}, "
-         f"FP8 {_size(r['disk_bytes']['fp8'])}")
+         f"FP8 {_size(r['disk_bytes']['fp8'])}, MXFP4 {_size(r['disk_bytes']['mxfp4'])}")
     if r["problems"]:
         echo(f"  cannot convert  {len(r['problems'])} problem(s):")
         for p in r["problems"][:20]:

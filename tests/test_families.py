@@ -18,7 +18,9 @@ from builders import skeleton
 from families import ATTENTION_ATOL, CASES, SKELETONS, Case
 from mosaic_runtime import routing
 from mosaic_runtime.engine import Engine
+from mosaic_runtime.kv_cache import WINDOW_SLACK
 from mosaic_runtime.models import decoder as decoder_module
+from mosaic_runtime.models.state import SequenceState
 from mosaic_runtime.recipe import read_recipe
 from mosaic_runtime.vault.format import QUANT_NAMES, record_layout
 from mosaic_runtime.vault.record import unpack_record
@@ -171,6 +173,10 @@ def test_probe_of_the_gpt_oss_skeletons(tmp_path, release, monkeypatch):
     assert report["backbone_bytes"] == backbone
     recipe = read_recipe(plan.arch)
     assert [layer.mixer.sliding_window for layer in recipe.layers[:2]] == [128, None]
+    # a token grows the cache in the full-attention half of the layers; the windowed half is a fixed ring
+    layers = plan.arch["num_hidden_layers"]
+    assert report["kv_bytes_per_1k_tokens"]["bfloat16"] == 2 * 1024 * (layers // 2) * 2 * 8 * 64
+    assert report["kv_window_bytes"]["bfloat16"] == 2 * (layers // 2) * 2 * (128 + WINDOW_SLACK) * 8 * 64 * 2
 
 
 @pytest.mark.parametrize("case", sorted(c for c in CASES if CASES[c].model_type.startswith("deepseek")))
@@ -289,6 +295,35 @@ def test_mxfp4_experts_reach_an_mxfp4_vault_bit_for_bit(vaults):
                 assert torch.equal(gate.T, experts.gate_up_proj[e][:, 0::2].float())
                 assert torch.equal(up.T, experts.gate_up_proj[e][:, 1::2].float())
                 assert torch.equal(down.T, experts.down_proj[e].float())
+
+
+def test_sliding_window_layers_keep_only_their_window(vaults):
+    """With max_seq past twice its window ring, gpt-oss's sliding layers keep their keys and values in a
+    bounded ring: the KV cache holds its one full-attention layer, the ring its two sliding layers at
+    2 x (24 + WINDOW_SLACK) rows whatever max_seq. A sequence that wraps the ring twice still gives
+    transformers' logits, its prefill in ring-sized steps and its decode steps native; the sequence can be
+    cut back by the slack, no further."""
+    ckpt, out = vaults("gpt_oss", "q4", "mxfp4")
+    rows = 24 + WINDOW_SLACK
+    n, decode = 2 * rows + 100, 6
+    ids = [(37 * i + 11) % 320 for i in range(n)]
+    engine = Engine.open(out, max_seq=n + 64, precision="exact")
+    state = engine.model.state
+    assert state.windowed == [0, 2] and state.kv.k.shape[0] == 1 and tuple(state.window.k.shape[:3]) == (2, 2, 2 * rows)
+    held = sum(t.numel() * t.element_size() for c in (state.kv, state.window) for t in (c.k, c.v))
+    assert SequenceState.bytes_for(engine.model.recipe, n + 64, torch.float32) == held
+    engine.finish_preload()
+    spy = engine.model.native.step_fn = StepSpy(engine.model.native.step_fn, len(engine.model.layers))
+    logits = engine.logits(ids[:n - decode])[-40:]
+    steps = [engine.model.forward(torch.tensor([t]), state.length)[-1] for t in ids[n - decode:]]
+    assert spy.calls == decode
+    with torch.no_grad():
+        want = reference_model(ckpt, engine)(torch.tensor([ids])).logits[0]
+    assert (logits - want[n - decode - 40:n - decode]).abs().max() <= ATTENTION_ATOL
+    assert (torch.stack(steps) - want[n - decode:]).abs().max() <= ATTENTION_ATOL
+    assert state.resumable(state.length - WINDOW_SLACK - 1) and not state.resumable(state.length - WINDOW_SLACK - 2)
+    with pytest.raises(ValueError, match="continues from its state"):
+        engine.model.forward(torch.tensor([1]), state.length - WINDOW_SLACK - 2)
 
 
 def test_an_mxfp4_scale_of_nan_is_refused_by_expert(vaults, tmp_path):

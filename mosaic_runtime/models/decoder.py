@@ -59,7 +59,8 @@ class Decoder:
 
     # --- token mixers -----------------------------------------------------------------------------
     def attention(self, att: Attention, w: AttentionWeights, slot: int, x: torch.Tensor, start: int,
-                  rope) -> torch.Tensor:
+                  rope, windowed: bool = False) -> torch.Tensor:
+        """windowed: the layer's keys and values live in the state's window ring."""
         t, d, eps = x.shape[0], att.head_dim, self.recipe.eps  # T new tokens, D head_dim
         q = linear(x, w.q)
         k, v = linear(x, w.k), linear(x, w.v)
@@ -77,8 +78,11 @@ class Decoder:
         if att.clip_qkv is not None:
             q, k, v = (z.clamp(-att.clip_qkv, att.clip_qkv) for z in (q, k, v))
         q, k = self.rotary.apply(q, rope), self.rotary.apply(k, rope)
-        k_cache, v_cache = self.state.kv.store(slot, start, k, v)
-        o = cached_attention(q, k_cache, v_cache, start, att.scale, att.sliding_window, w.sinks)  # [T, heads * D]
+        if windowed:  # rows for positions lo..start+T-1 only: the query at start is row start - lo
+            k_cache, v_cache, lo = self.state.window.store(slot, start, k, v)
+        else:
+            (k_cache, v_cache), lo = self.state.kv.store(slot, start, k, v), 0
+        o = cached_attention(q, k_cache, v_cache, start - lo, att.scale, att.sliding_window, w.sinks)  # [T, heads * D]
         if gate is not None:
             o = o * torch.sigmoid(gate)
         o = linear(o, w.o)
@@ -152,24 +156,28 @@ class Decoder:
         state, t = self.state, ids.shape[0]
         if start == 0:
             state.reset()
-        elif start > state.length or (start < state.length and not state.rewindable):
+        elif not state.resumable(start):
             raise ValueError(f"this model continues from its state ({state.length} tokens), not from {start}")
         if start + t > state.max_seq:
             raise ValueError(f"context of {start + t} tokens exceeds the KV cache ({state.max_seq}); "
                              "open the engine with a larger max_seq")
+        if state.max_step is not None and t > state.max_step:  # a window ring takes so many a step
+            return torch.cat([self.forward(ids[at:at + state.max_step], start + at)
+                              for at in range(0, t, state.max_step)])
         self.experts.begin_step(int(ids[0]) if t == 1 else None)
         if t == 1 and self.use_native_decode:
             logits = self.native.step(int(ids[0]), start)
             if logits is not None:  # else (KV pages out of order) the torch path gathers them
                 state.length = start + 1
                 return logits
+        windowed = set(state.windowed)
         x = self.weights.embed[ids].to(self.dtype)  # [T, H]
         rope = self.rotary.at(torch.arange(start, start + t)) if self.rotary is not None else None
         eps = self.recipe.eps
         for i, (layer, w) in enumerate(zip(self.recipe.layers, self.weights.layers)):
             h = rms_norm(x, w.input_norm, eps)
             if isinstance(layer.mixer, Attention):
-                x = x + self.attention(layer.mixer, w.mixer, state.slot[i], h, start, rope)
+                x = x + self.attention(layer.mixer, w.mixer, state.slot[i], h, start, rope, i in windowed)
             elif isinstance(layer.mixer, LatentAttention):
                 x = x + self.latent_attention(layer.mixer, w.mixer, state.slot[i], h, start, rope)
             else:

@@ -54,7 +54,8 @@ class NativeStep:
     def build(cls, model) -> "NativeStep | None":
         """The step for a Decoder, or None where it does not apply (weights in float32 or on a GPU,
         activations other than float32)."""
-        if model.dtype != torch.float32 or (model.state.kv is not None and model.state.kv.k.device.type != "cpu"):
+        if model.dtype != torch.float32 or any(c is not None and c.k.device.type != "cpu"
+                                               for c in (model.state.kv, model.state.window)):
             return None
         try:
             layers = [_layer(model, i) for i in range(len(model.recipe.layers))]
@@ -69,18 +70,18 @@ class NativeStep:
         """Logits [1, V] of `token` at position pos, the state extended by it; None when the KV cache's
         pages are not one run (the torch path then gathers them)."""
         model = self.model
-        kv = model.state.kv
-        k_run = v_run = k_scale = v_scale = None
+        kv, window = model.state.kv, model.state.window
+        full = ring = (None, None, None, None)
         cos = sin = self.no_rope
         if kv is not None:
             kv.reserve(pos + 1)
             run = kv.contiguous_run()
             if run is None:
                 return None
-            # numpy has no bf16: a bf16 cache goes as its bit patterns
-            k_run, v_run = ((t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy() for t in (run.k, run.v))
-            if run.k_scale is not None:
-                k_scale, v_scale = run.k_scale.numpy(), run.v_scale.numpy()
+            full = _run_arrays(run)
+        if window is not None:
+            ring = _run_arrays(window.run())
+        if kv is not None or window is not None:
             cos, sin = model.rotary.cos[pos].numpy(), model.rotary.signed_sin[pos].numpy()
         x = model.weights.embed[token].to(torch.float32).numpy().copy()  # [H], updated in place layer by layer
         h = np.empty_like(x)
@@ -90,14 +91,22 @@ class NativeStep:
         logits = np.empty(self.step_fn.vocab, np.float32)  # a new array: callers keep it
         n, first = len(model.recipe.layers), 0
         while True:
-            stop, kernel_s = self.step_fn.run(first, Q4_ISA, threads(), x, h, pos, cos, sin, k_run, v_run, k_scale,
-                                              v_scale, weights, ids, self.scratch, loop, logits)
+            stop, kernel_s = self.step_fn.run(first, Q4_ISA, threads(), x, h, pos, cos, sin, *full, weights, ids,
+                                              self.scratch, loop, logits, *ring)
             if loop is not None:
                 experts.ran_natively([i for i in self.moe_layers if first <= i < stop], ids, kernel_s)
             if stop == n:
                 return torch.from_numpy(logits)[None]
             experts.add_decode(stop, h, weights[stop], ids[stop], x)  # the layer's routed experts, into x
             first = stop + 1
+
+
+def _run_arrays(run) -> tuple:
+    """(k, v, k_scale, v_scale) of a KVRun as arrays; numpy has no bf16: a bf16 cache goes as its bit patterns."""
+    k, v = ((t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy() for t in (run.k, run.v))
+    if run.k_scale is None:
+        return k, v, None, None
+    return k, v, run.k_scale.numpy(), run.v_scale.numpy()
 
 
 def _matrix(w):
@@ -126,7 +135,7 @@ def _layer(model, i: int):
             clip_qkv=a.clip_qkv or 0.0, scale=a.scale, q=_matrix(aw.q), k=_matrix(aw.k), v=_matrix(aw.v),
             o=_matrix(aw.o), q_bias=_vector(aw.q_bias), k_bias=_vector(aw.k_bias), v_bias=_vector(aw.v_bias),
             o_bias=_vector(aw.o_bias), q_norm=_vector(aw.q_norm), k_norm=_vector(aw.k_norm), sinks=_vector(aw.sinks),
-            kv_layer=slot)
+            windowed=i in model.state.windowed, kv_layer=slot)
     else:
         d: DeltaNet = recipe.mixer
         dw, state = w.mixer, model.state

@@ -70,9 +70,48 @@ struct PyLoopExperts : Keep {
 struct PyDecodeStep : Keep {
   std::vector<DecodeLayer> layers;
   const DecodeHead* head = nullptr;
-  int top_k = 1, n_attention = 0, kv_heads = 0, head_dim = 0, hidden = 0;
+  int top_k = 1, n_attention = 0, n_windowed = 0, kv_heads = 0, head_dim = 0, hidden = 0;
   uint64_t scratch_floats = 0;
 };
+
+using KvArray = nb::ndarray<nb::ndim<4>, nb::device::cpu>;
+using ScaleArray = nb::ndarray<float, nb::ndim<3>, nb::device::cpu>;
+
+// One KV run [layers, kv_heads, rows >= min_rows, head_dim] of float32, bf16 (as uint16) or int8 codes with
+// their row scales [layers, kv_heads, rows], checked against the step's geometry.
+KvRun kv_run_of(nb::handle k_run, nb::handle v_run, nb::handle k_scale, nb::handle v_scale, const PyDecodeStep& s,
+                int layers, int64_t min_rows, const std::string& what) {
+  KvRun kv;
+  check(!k_run.is_none() && !v_run.is_none(), what + ": K and V runs");
+  KvArray k = nb::cast<KvArray>(k_run), v = nb::cast<KvArray>(v_run);
+  check(k.dtype() == v.dtype(), what + ": K and V of one dtype");
+  if (k.dtype() == nb::dtype<uint16_t>()) kv.dtype = KvDtype::Bf16;
+  else if (k.dtype() == nb::dtype<int8_t>()) kv.dtype = KvDtype::I8;
+  else check(k.dtype() == nb::dtype<float>(), what + ": a KV cache of float32, bf16 (as uint16) or int8");
+  const size_t d = static_cast<size_t>(s.head_dim);
+  check(k.shape(0) == static_cast<size_t>(layers) && v.shape(0) == k.shape(0) &&
+            k.shape(1) == static_cast<size_t>(s.kv_heads) && v.shape(1) == k.shape(1) && k.shape(3) == d &&
+            v.shape(3) == d && k.shape(2) == v.shape(2) && min_rows >= 0 &&
+            static_cast<size_t>(min_rows) <= k.shape(2),
+        what + ": KV runs [attention layers, kv_heads, rows > pos, head_dim]");
+  check(k.stride(3) == 1 && k.stride(2) == static_cast<int64_t>(d) && v.stride(3) == 1 &&
+            v.stride(2) == static_cast<int64_t>(d), what + ": KV rows must be contiguous");
+  kv.k = k.data(), kv.v = v.data(), kv.rows = static_cast<int64_t>(k.shape(2));
+  kv.k_layer_stride = k.stride(0), kv.v_layer_stride = v.stride(0);
+  kv.k_head_stride = k.stride(1), kv.v_head_stride = v.stride(1);
+  check((kv.dtype == KvDtype::I8) == !k_scale.is_none() && k_scale.is_none() == v_scale.is_none(),
+        what + ": row scales for an int8 cache only");
+  if (kv.dtype == KvDtype::I8) {
+    ScaleArray ks = nb::cast<ScaleArray>(k_scale), vs = nb::cast<ScaleArray>(v_scale);
+    for (const ScaleArray* a : {&ks, &vs})
+      check(a->shape(0) == k.shape(0) && a->shape(1) == k.shape(1) && a->shape(2) == k.shape(2) && a->stride(2) == 1,
+            what + ": scale runs [attention layers, kv_heads, rows], contiguous rows");
+    check(ks.stride(0) == vs.stride(0) && ks.stride(1) == vs.stride(1), what + ": K and V scales of one layout");
+    kv.k_scale = ks.data(), kv.v_scale = vs.data();
+    kv.scale_layer_stride = ks.stride(0), kv.scale_head_stride = ks.stride(1);
+  }
+  return kv;
+}
 
 const BackboneMatrix& matrix_of(nb::handle h, int rows, int cols, const std::string& what, Keep& keep) {
   check(nb::isinstance<PyMatrix>(h), what + ": a Matrix");
@@ -143,7 +182,8 @@ void init_decode(nb::module_& m) {
       .def("__init__", [](PyAttention* self, int hidden, int heads, int kv_heads, int head_dim, int rot_dim, int qk_norm,
                           bool output_gate, int sliding_window, float clip_qkv, float scale, nb::handle q, nb::handle k,
                           nb::handle v, nb::handle o, nb::handle q_bias, nb::handle k_bias, nb::handle v_bias,
-                          nb::handle o_bias, nb::handle q_norm, nb::handle k_norm, nb::handle sinks, int kv_layer) {
+                          nb::handle o_bias, nb::handle q_norm, nb::handle k_norm, nb::handle sinks, bool windowed,
+                          int kv_layer) {
         new (self) PyAttention();
         AttentionMixer& a = self->a;
         check(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0, "AttentionMixer: heads");
@@ -163,6 +203,8 @@ void init_decode(nb::module_& m) {
         a.v_bias = vector_of(v_bias, kn, "AttentionMixer: v_bias", *self);
         a.o_bias = vector_of(o_bias, hidden, "AttentionMixer: o_bias", *self);
         a.sinks = vector_of(sinks, heads, "AttentionMixer: sinks", *self);
+        a.windowed = windowed;
+        check(!windowed || sliding_window > 0, "AttentionMixer: a window ring needs a sliding window");
         const bool per_head = a.qk_norm == QkNorm::Head;
         if (a.qk_norm != QkNorm::None) {
           check(!q_norm.is_none() && !k_norm.is_none(), "AttentionMixer: q_norm and k_norm");
@@ -173,7 +215,7 @@ void init_decode(nb::module_& m) {
          nb::arg("qk_norm"), nb::arg("output_gate"), nb::arg("sliding_window"), nb::arg("clip_qkv"), nb::arg("scale"),
          nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"), nb::arg("q_bias").none(), nb::arg("k_bias").none(),
          nb::arg("v_bias").none(), nb::arg("o_bias").none(), nb::arg("q_norm").none(), nb::arg("k_norm").none(),
-         nb::arg("sinks").none() = nb::none(), nb::arg("kv_layer"));
+         nb::arg("sinks").none() = nb::none(), nb::arg("windowed") = false, nb::arg("kv_layer"));
 
   nb::class_<PyLatent>(d, "LatentMixer")
       .def("__init__", [](PyLatent* self, int hidden, int heads, int q_lora_rank, int kv_lora_rank, int nope_dim,
@@ -336,8 +378,6 @@ void init_decode(nb::module_& m) {
       }, nb::kw_only(), nb::arg("isa"), nb::arg("threads"), nb::arg("format"), nb::arg("top_k"), nb::arg("ring"),
          nb::arg("slot_of"), nb::arg("scratch"));
 
-  using KvArray = nb::ndarray<nb::ndim<4>, nb::device::cpu>;
-  using ScaleArray = nb::ndarray<float, nb::ndim<3>, nb::device::cpu>;
   nb::class_<PyDecodeStep>(d, "DecodeStep", "A model's layers and head, run a token at a time by run()")
       .def("__init__", [](PyDecodeStep* self, std::vector<nb::handle> layers, nb::handle head) {
         new (self) PyDecodeStep();
@@ -357,7 +397,8 @@ void init_decode(nb::module_& m) {
             check(self->n_attention == 0 || (kv_heads == self->kv_heads && head_dim == self->head_dim),
                   "DecodeStep: attention layers of one KV geometry");
             self->kv_heads = kv_heads, self->head_dim = head_dim;
-            self->n_attention = std::max(self->n_attention, (latent ? L.latent.kv_layer : L.attention.kv_layer) + 1);
+            int& count = !latent && L.attention.windowed ? self->n_windowed : self->n_attention;
+            count = std::max(count, (latent ? L.latent.kv_layer : L.attention.kv_layer) + 1);
           }
         }
         self->hidden = self->layers[0].hidden;
@@ -382,7 +423,8 @@ void init_decode(nb::module_& m) {
                      Vector signed_sin, nb::handle k_run, nb::handle v_run, nb::handle k_scale, nb::handle v_scale,
                      nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> topk_weights,
                      nb::ndarray<int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> topk_ids, OutVector scratch,
-                     nb::handle experts, nb::handle logits) {
+                     nb::handle experts, nb::handle logits, nb::handle kw_run, nb::handle vw_run, nb::handle kw_scale,
+                     nb::handle vw_scale) {
         const int n = static_cast<int>(s.layers.size());
         check(first >= 0 && first <= n, "run: first layer");
         check(isa_available(Isa(isa)), "run: this CPU lacks that ISA");
@@ -391,40 +433,22 @@ void init_decode(nb::module_& m) {
                   topk_weights.shape(1) >= static_cast<size_t>(s.top_k) && topk_ids.shape(1) == topk_weights.shape(1),
               "run: top-k arrays [layers, top_k]");
         check(scratch.shape(0) >= s.scratch_floats, "run: scratch too small");
-        KvRun kv;
-        if (s.n_attention > 0) {
-          KvArray k = nb::cast<KvArray>(k_run), v = nb::cast<KvArray>(v_run);
-          check(k.dtype() == v.dtype(), "run: K and V of one dtype");
-          if (k.dtype() == nb::dtype<uint16_t>()) kv.dtype = KvDtype::Bf16;
-          else if (k.dtype() == nb::dtype<int8_t>()) kv.dtype = KvDtype::I8;
-          else check(k.dtype() == nb::dtype<float>(), "run: a KV cache of float32, bf16 (as uint16) or int8");
-          const size_t d = static_cast<size_t>(s.head_dim);
-          check(k.shape(0) == static_cast<size_t>(s.n_attention) && v.shape(0) == k.shape(0) &&
-                    k.shape(1) == static_cast<size_t>(s.kv_heads) && v.shape(1) == k.shape(1) && k.shape(3) == d &&
-                    v.shape(3) == d && k.shape(2) == v.shape(2) && pos >= 0 && static_cast<size_t>(pos) < k.shape(2),
-                "run: KV runs [attention layers, kv_heads, rows > pos, head_dim]");
-          check(k.stride(3) == 1 && k.stride(2) == static_cast<int64_t>(d) && v.stride(3) == 1 &&
-                    v.stride(2) == static_cast<int64_t>(d), "run: KV rows must be contiguous");
-          check(cos.shape(0) == signed_sin.shape(0), "run: RoPE tables");
+        check(cos.shape(0) == signed_sin.shape(0), "run: RoPE tables");
+        KvRuns kv;
+        if (s.n_attention > 0 || s.n_windowed > 0) {
           for (const DecodeLayer& L : s.layers) {
             const int rot = L.mixer == DecodeLayer::Latent ? L.latent.rope_dim : L.attention.rot_dim;
             check(L.mixer == DecodeLayer::DeltaNet || static_cast<size_t>(rot) == cos.shape(0),
                   "run: RoPE table width");
           }
-          kv.k = k.data(), kv.v = v.data(), kv.rows = static_cast<int64_t>(k.shape(2));
-          kv.k_layer_stride = k.stride(0), kv.v_layer_stride = v.stride(0);
-          kv.k_head_stride = k.stride(1), kv.v_head_stride = v.stride(1);
-          check((kv.dtype == KvDtype::I8) == !k_scale.is_none() && k_scale.is_none() == v_scale.is_none(),
-                "run: row scales for an int8 cache only");
-          if (kv.dtype == KvDtype::I8) {
-            ScaleArray ks = nb::cast<ScaleArray>(k_scale), vs = nb::cast<ScaleArray>(v_scale);
-            for (const ScaleArray* a : {&ks, &vs})
-              check(a->shape(0) == k.shape(0) && a->shape(1) == k.shape(1) && a->shape(2) == k.shape(2) &&
-                        a->stride(2) == 1, "run: scale runs [attention layers, kv_heads, rows], contiguous rows");
-            check(ks.stride(0) == vs.stride(0) && ks.stride(1) == vs.stride(1), "run: K and V scales of one layout");
-            kv.k_scale = ks.data(), kv.v_scale = vs.data();
-            kv.scale_layer_stride = ks.stride(0), kv.scale_head_stride = ks.stride(1);
-          }
+        }
+        if (s.n_attention > 0) kv.full = kv_run_of(k_run, v_run, k_scale, v_scale, s, s.n_attention, pos + 1, "run");
+        if (s.n_windowed > 0) {  // the ring's rows: two copies of ring positions, a window at most
+          kv.window = kv_run_of(kw_run, vw_run, kw_scale, vw_scale, s, s.n_windowed, 2, "run (window ring)");
+          for (const DecodeLayer& L : s.layers)
+            check(L.mixer != DecodeLayer::Attention || !L.attention.windowed ||
+                      (kv.window.rows % 2 == 0 && kv.window.rows / 2 >= L.attention.sliding_window),
+                  "run (window ring): rows must be twice a ring of at least the window");
         }
         const LoopExperts* loop = nullptr;
         if (!experts.is_none()) {
@@ -452,5 +476,7 @@ void init_decode(nb::module_& m) {
       }, nb::arg("first"), nb::arg("isa"), nb::arg("threads"), nb::arg("x"), nb::arg("h"), nb::arg("pos"), nb::arg("cos"),
          nb::arg("signed_sin"), nb::arg("k_run").none(), nb::arg("v_run").none(), nb::arg("k_scale").none(),
          nb::arg("v_scale").none(), nb::arg("topk_weights"), nb::arg("topk_ids"), nb::arg("scratch"),
-         nb::arg("experts").none(), nb::arg("logits").none());
+         nb::arg("experts").none(), nb::arg("logits").none(), nb::arg("kw_run").none() = nb::none(),
+         nb::arg("vw_run").none() = nb::none(), nb::arg("kw_scale").none() = nb::none(),
+         nb::arg("vw_scale").none() = nb::none());
 }

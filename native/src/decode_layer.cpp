@@ -166,7 +166,7 @@ uint64_t attention_scratch_floats(const AttentionMixer& a) {
 
 // out [hidden] = the attention mixer's output for normed input h at position pos; this position's key and
 // value go into the cache first.
-void attention_step(const AttentionMixer& a, int hidden, float eps, const KvRun& kv, const float* h, int pos,
+void attention_step(const AttentionMixer& a, int hidden, float eps, const KvRuns& runs, const float* h, int pos,
                     const float* cos, const float* signed_sin, float* out, float* scratch, int threads, Isa isa) {
   const int d = a.head_dim, hq = a.heads, hkv = a.kv_heads;
   const int64_t qn = static_cast<int64_t>(hq) * d, kn = static_cast<int64_t>(hkv) * d;
@@ -203,16 +203,24 @@ void attention_step(const AttentionMixer& a, int hidden, float eps, const KvRun&
   rope(q, hq, d, a.rot_dim, cos, signed_sin);
   rope(k, hkv, d, a.rot_dim, cos, signed_sin);
   // This position's keys and values into the cache, one row per KV head, then attention over it (the last
-  // sliding_window positions only, when windowed: the kernel reads them as a cache that starts there).
+  // sliding_window positions only, when windowed: the kernel reads them as a cache that starts there). In the
+  // window ring, position p goes to rows p % ring and p % ring + ring, and the window starts at row lo % ring.
+  const KvRun& kv = a.windowed ? runs.window : runs.full;
   const int64_t kl = a.kv_layer * kv.k_layer_stride, vl = a.kv_layer * kv.v_layer_stride;
   const int64_t sl = a.kv_layer * kv.scale_layer_stride;
-  for (int g = 0; g < hkv; ++g) {
-    const int64_t row = static_cast<int64_t>(pos) * d, scale_at = sl + g * kv.scale_head_stride + pos;
-    store_row(kv.dtype, kv.k, kl + g * kv.k_head_stride + row, kv.k_scale, scale_at, k + static_cast<int64_t>(g) * d, d);
-    store_row(kv.dtype, kv.v, vl + g * kv.v_head_stride + row, kv.v_scale, scale_at, v + static_cast<int64_t>(g) * d, d);
+  const int lo = a.sliding_window > 0 ? std::max(0, pos + 1 - a.sliding_window) : 0;
+  const int64_t ring = a.windowed ? kv.rows / 2 : 0;
+  const int64_t rows[2] = {a.windowed ? pos % ring : pos, a.windowed ? pos % ring + ring : -1};
+  for (int64_t r : rows) {
+    if (r < 0) continue;
+    for (int g = 0; g < hkv; ++g) {
+      const int64_t row = r * d, scale_at = sl + g * kv.scale_head_stride + r;
+      store_row(kv.dtype, kv.k, kl + g * kv.k_head_stride + row, kv.k_scale, scale_at, k + static_cast<int64_t>(g) * d, d);
+      store_row(kv.dtype, kv.v, vl + g * kv.v_head_stride + row, kv.v_scale, scale_at, v + static_cast<int64_t>(g) * d, d);
+    }
   }
-  const int first = a.sliding_window > 0 ? std::max(0, pos + 1 - a.sliding_window) : 0;
-  attend_cache(kv, a.kv_layer, first, pos + 1 - first, q, hq, d, hkv, a.scale, attn, threads, isa, a.sinks);
+  const int first = a.windowed ? static_cast<int>(lo % ring) : lo;
+  attend_cache(kv, a.kv_layer, first, pos + 1 - lo, q, hq, d, hkv, a.scale, attn, threads, isa, a.sinks);
   if (a.output_gate)
     for (int64_t i = 0; i < qn; ++i) attn[i] *= sigmoid(gate[i]);
   project(a.o, attn, out, threads, isa);
@@ -340,7 +348,7 @@ uint64_t decode_layer_scratch_floats(const DecodeLayer& L) {
 
 // x += the layer's mixer; h = post-attention norm of x; the router's top-k; x += the shared expert or
 // dense MLP. The routed experts are the caller's (decode_layers).
-void decode_layer(const DecodeLayer& L, const KvRun& kv, float* x, float* h, int pos, const float* cos,
+void decode_layer(const DecodeLayer& L, const KvRuns& kv, float* x, float* h, int pos, const float* cos,
                   const float* signed_sin, float* topk_weights, int32_t* topk_ids, float* scratch, int threads,
                   Isa isa) {
   const int H = L.hidden;
@@ -350,7 +358,7 @@ void decode_layer(const DecodeLayer& L, const KvRun& kv, float* x, float* h, int
   rms_norm(x, L.input_norm, H, L.eps, normed);
   switch (L.mixer) {
     case DecodeLayer::DeltaNet: delta_net_step(L.delta, normed, out, work, threads, isa); break;
-    case DecodeLayer::Latent: latent_step(L.latent, kv, normed, pos, cos, signed_sin, out, work, threads, isa); break;
+    case DecodeLayer::Latent: latent_step(L.latent, kv.full, normed, pos, cos, signed_sin, out, work, threads, isa); break;
     default: attention_step(L.attention, H, L.eps, kv, normed, pos, cos, signed_sin, out, work, threads, isa);
   }
   add(x, out, H);

@@ -11,7 +11,7 @@
 
 namespace mosaic {
 
-DecodeLayersResult decode_layers(const DecodeLayer* layers, int n_layers, int first, const KvRun& kv,
+DecodeLayersResult decode_layers(const DecodeLayer* layers, int n_layers, int first, const KvRuns& kv,
                                  const LoopExperts* experts, const DecodeHead* head, float* x, float* h, int pos,
                                  const float* cos, const float* signed_sin, float* topk_weights, int32_t* topk_ids,
                                  int top_k_stride, float* logits, float* scratch, int threads, Isa isa) {

@@ -42,7 +42,8 @@ struct AttentionMixer {
   const float *q_bias = nullptr, *k_bias = nullptr, *v_bias = nullptr, *o_bias = nullptr;  // null: none
   const float *q_norm = nullptr, *k_norm = nullptr;  // [head_dim] (Head) or [heads|kv_heads * head_dim] (Projection)
   const float* sinks = nullptr;   // [heads]: a logit each head's softmax adds to its denominator; null: none
-  int kv_layer = 0;               // this layer's row of the KV run
+  bool windowed = false;          // its keys and values are in the window ring (KvRuns::window), not the KV run
+  int kv_layer = 0;               // this layer's row of the KV run (or of the window ring)
 };
 
 // Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): the KV cache holds one latent row a position,
@@ -122,6 +123,14 @@ struct KvRun {
   int64_t scale_layer_stride = 0, scale_head_stride = 0;
 };
 
+// What a decode step's layers attend over: the KV cache's run (full attention, latent attention) and the
+// window ring's (sliding-window layers kept bounded, kv_cache.WindowCache): there position p is at rows
+// p % ring and p % ring + ring, ring = window.rows / 2, so any window is one contiguous span.
+struct KvRuns {
+  KvRun full;
+  KvRun window;
+};
+
 // A decode step's final RMSNorm and lm_head (the logits of the token).
 struct DecodeHead {
   const float* norm;
@@ -150,7 +159,7 @@ struct DecodeLayersResult {
 uint64_t decode_layer_scratch_floats(const DecodeLayer& layer);
 // x += the layer's mixer; h = the post-attention norm of x; an MoE layer's top-k into topk_weights /
 // topk_ids; x += its shared expert or dense MLP. Its routed experts are left to the caller.
-void decode_layer(const DecodeLayer& layer, const KvRun& kv, float* x, float* h, int pos, const float* cos,
+void decode_layer(const DecodeLayer& layer, const KvRuns& kv, float* x, float* h, int pos, const float* cos,
                   const float* signed_sin, float* topk_weights, int32_t* topk_ids, float* scratch, int threads,
                   Isa isa);
 // logits = lm_head(RMSNorm(x)); scratch holds hidden floats.
@@ -164,7 +173,7 @@ void decode_head(const DecodeHead& head, const float* x, float* logits, float* s
 // that layer's mixer, shared expert and router are done, h and its top-k are set, and the caller adds its
 // routed experts into x and calls again from the next layer. With a head, the call that finishes the last
 // layer also writes logits [vocab].
-DecodeLayersResult decode_layers(const DecodeLayer* layers, int n_layers, int first, const KvRun& kv,
+DecodeLayersResult decode_layers(const DecodeLayer* layers, int n_layers, int first, const KvRuns& kv,
                                  const LoopExperts* experts, const DecodeHead* head, float* x, float* h, int pos,
                                  const float* cos, const float* signed_sin, float* topk_weights, int32_t* topk_ids,
                                  int top_k_stride, float* logits, float* scratch, int threads, Isa isa);
