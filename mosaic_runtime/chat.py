@@ -92,7 +92,9 @@ class Conversation:
             nonlocal shown
             if got is None or got[0] not in visible:
                 return ""
-            lead = ("\n" if shown else "") + f"[{got[0]}] " if self.show_analysis and got[0] != shown else ""
+            lead = ""
+            if self.show_analysis and got[0] != shown:  # each channel introduced, on its own line
+                lead = ("\n" if shown else "") + f"[{got[0]}] "
             shown = got[0]
             return lead + got[1]
         try:

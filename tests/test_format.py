@@ -194,7 +194,8 @@ def test_flipped_header_byte(vault):
 @pytest.mark.parametrize("field,value", [("num_experts", 2**31), ("num_layers", 0), ("hidden", 2**24),
                                          ("record_bytes", PAGE_SIZE * 7), ("page_size", 4096),
                                          ("flags", 2), ("data_offset", PAGE_SIZE + 512), ("arch_offset", 0),
-                                         ("scale_dtype", int(ScaleDtype.E8M0))])
+                                         ("scale_dtype", int(ScaleDtype.E8M0)),
+                                         ("quant", int(QuantType.MXFP4_G32))])  # MXFP4 with f16 scales
 def test_header_field_out_of_bounds(vault, field, value):
     rewrite(vault, header={field: value})
     e = reject(vault, Reason.BAD_HEADER)
