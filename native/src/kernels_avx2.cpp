@@ -120,9 +120,21 @@ constexpr int kInt8Prefetch = 4096;   // bytes ahead in the row stream
 constexpr int kInt8ScalePrefetch = 512;
 
 struct QuantisedX {
-  std::vector<int8_t> q;     // [n][pairs * 64]: per pair of blocks, elements 0..15 of each, then 16..31
+  std::vector<int8_t> q;     // [n][pairs * 64]: per pair of blocks, the elements each block's low nibbles hold
+                             // (Q4: 0..15; MXFP4: the even ones), then its high nibbles' (16..31; odd)
   std::vector<float> sx;     // [n][groups * 8]: activation scale per block, zero past the last block
-  std::vector<float> off;    // [n][groups * 8]: 8 * sx * sum(q) per block
+  std::vector<float> off;    // [n][groups * 8]: zero * sx * sum(q) per block, zero the codes' offset
+};
+
+// The weights' side of the int8 loop, as in kernels_avx512.cpp: Q4's codes are w + 8, low nibbles holding
+// elements 0..15; MXFP4's go through a table to 2 * e2m1 + 12, nibbles holding elements 2j and 2j + 1.
+struct Q4Codes {
+  static constexpr float kZero = 8.f;
+  static constexpr bool kMx = false;
+};
+struct Mxfp4Codes {
+  static constexpr float kZero = 12.f;
+  static constexpr bool kMx = true;
 };
 
 MOSAIC_AVX2 inline __m256 masked_x(const float* x, int len) {  // x[0..len) then zeros, len in 0..8
@@ -132,6 +144,7 @@ MOSAIC_AVX2 inline __m256 masked_x(const float* x, int len) {  // x[0..len) then
   return _mm256_load_ps(tmp);
 }
 
+template <typename Codes>
 MOSAIC_AVX2 void quantise_x(const MatvecArgs& a, int pairs, int groups, QuantisedX& out) {
   const size_t per_q = static_cast<size_t>(pairs) * 64, per_b = static_cast<size_t>(groups) * kInt8Group;
   out.q.assign(per_q * a.n, 0);  // capacity is kept across calls: no allocation once warm
@@ -155,8 +168,13 @@ MOSAIC_AVX2 void quantise_x(const MatvecArgs& a, int pairs, int groups, Quantise
       __m256i iv[4];
       for (int i = 0; i < 4; ++i) iv[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));  // nearest even
       // packs work within 128-bit lanes: the permute puts elements 0..31 back in order
-      const __m256i bytes = _mm256_permutevar8x32_epi32(
+      __m256i bytes = _mm256_permutevar8x32_epi32(
           _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3])), order);
+      if constexpr (Codes::kMx) {  // even elements, then odd: each lane's evens and odds, then the lanes' quads
+        const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                               0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+        bytes = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(bytes, split), 0xD8);
+      }
       int8_t* pair = q + (b / 2) * 64 + (b % 2) * 16;  // the low nibbles' elements, then the high ones'
       _mm_storeu_si128(reinterpret_cast<__m128i*>(pair), _mm256_castsi256_si128(bytes));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(pair + 32), _mm256_extracti128_si256(bytes, 1));
@@ -165,7 +183,7 @@ MOSAIC_AVX2 void quantise_x(const MatvecArgs& a, int pairs, int groups, Quantise
       const __m128i s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
       const int sum = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
       out.sx[per_b * t + b] = sx;
-      out.off[per_b * t + b] = 8.f * sx * static_cast<float>(sum);
+      out.off[per_b * t + b] = Codes::kZero * sx * static_cast<float>(sum);
     }
   }
 }
@@ -173,22 +191,30 @@ MOSAIC_AVX2 void quantise_x(const MatvecArgs& a, int pairs, int groups, Quantise
 // One row against one token's quantised x. Per 32 bytes of codes (two blocks): one load, the two nibble
 // masks, two vpmaddubsw, one add, one vpmaddwd, one convert, the scale permute and one FMA. Two
 // accumulators alternate so the FMA latency is not paid on every pair.
-MOSAIC_AVX2 float q4_int8_row(const uint8_t* row, const uint16_t* rs, int blocks, int groups, const int8_t* q,
-                              const float* sx, const float* off) {
+template <typename Codes, typename Scale>
+MOSAIC_AVX2 float int8_row(const uint8_t* row, const Scale* rs, int blocks, int groups, const int8_t* q,
+                           const float* sx, const float* off) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  // 2 * e2m1 + 12 by code, in each 128-bit lane for vpshufb
+  const __m256i table = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                                         12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   for (int g = 0; g < groups; ++g) {
     const int b0 = g * kInt8Group, nb = std::min(kInt8Group, blocks - b0);
     _mm_prefetch(reinterpret_cast<const char*>(rs + b0) + kInt8ScalePrefetch, _MM_HINT_T0);
-    __m128i half;
-    if (nb == kInt8Group) {
-      half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rs + b0));
-    } else {  // the row's last group: never read past its scales
-      alignas(16) uint16_t tmp[kInt8Group] = {};
-      std::memcpy(tmp, rs + b0, sizeof(uint16_t) * nb);
-      half = _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
+    const Scale* group = rs + b0;
+    alignas(16) Scale tmp[kInt8Group] = {};
+    if (nb < kInt8Group) {  // the row's last group: never read past its scales
+      std::memcpy(tmp, group, sizeof(Scale) * nb);
+      group = tmp;
     }
-    const __m256 d = _mm256_cvtph_ps(half);
+    __m256 d;
+    if constexpr (Codes::kMx) {  // E8M0: the byte into the exponent field, halved for the doubled codes
+      const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(group)));
+      d = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(e, 23)), _mm256_set1_ps(0.5f));
+    } else {
+      d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group)));
+    }
     const __m256 dsx = _mm256_mul_ps(d, _mm256_loadu_ps(sx + b0));
     acc1 = _mm256_fnmadd_ps(d, _mm256_loadu_ps(off + b0), acc1);
     for (int k = 0; 2 * k < nb; ++k) {
@@ -197,7 +223,8 @@ MOSAIC_AVX2 float q4_int8_row(const uint8_t* row, const uint16_t* rs, int blocks
       _mm_prefetch(reinterpret_cast<const char*>(at + kInt8Prefetch), _MM_HINT_T0);
       const __m256i v = 2 * k + 1 < nb ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at))
                                        : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
-      const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      if constexpr (Codes::kMx) lo = _mm256_shuffle_epi8(table, lo), hi = _mm256_shuffle_epi8(table, hi);
       const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + p * 64));
       const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + p * 64 + 32));
       const __m256i pairs16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, ql), _mm256_maddubs_epi16(hi, qh));
@@ -211,22 +238,27 @@ MOSAIC_AVX2 float q4_int8_row(const uint8_t* row, const uint16_t* rs, int blocks
   return reduce(_mm256_add_ps(acc0, acc1));
 }
 
-MOSAIC_AVX2 void q4_avx2_int8(const MatvecArgs& a) {
+// Q4 (f16 scales) or MXFP4 (E8M0 scales) against int8 activations.
+template <typename Codes, typename Scale>
+MOSAIC_AVX2 void int8_matvec(const MatvecArgs& a) {
   thread_local QuantisedX qx;
   const int blocks = (a.cols + kQ4 - 1) / kQ4, pairs = (blocks + 1) / 2;
   const int groups = (blocks + kInt8Group - 1) / kInt8Group;
-  quantise_x(a, pairs, groups, qx);
-  const auto* scales = static_cast<const uint16_t*>(a.scales);
+  quantise_x<Codes>(a, pairs, groups, qx);
+  const auto* scales = static_cast<const Scale*>(a.scales);
   for (int r = 0; r < a.rows; ++r) {
     const uint8_t* row = a.codes + static_cast<uint64_t>(r) * blocks * kQ4Bytes;
-    const uint16_t* rs = scales + static_cast<uint64_t>(r) * blocks;
+    const Scale* rs = scales + static_cast<uint64_t>(r) * blocks;
     for (int t = 0; t < a.n; ++t) {
       const size_t b = static_cast<size_t>(t) * groups * kInt8Group;
-      a.y[static_cast<uint64_t>(t) * a.ldy + r] = q4_int8_row(
+      a.y[static_cast<uint64_t>(t) * a.ldy + r] = int8_row<Codes>(
           row, rs, blocks, groups, qx.q.data() + static_cast<size_t>(t) * pairs * 64, qx.sx.data() + b, qx.off.data() + b);
     }
   }
 }
+
+MOSAIC_AVX2 void q4_avx2_int8(const MatvecArgs& a) { int8_matvec<Q4Codes, uint16_t>(a); }
+MOSAIC_AVX2 void mxfp4_avx2_int8(const MatvecArgs& a) { int8_matvec<Mxfp4Codes, uint8_t>(a); }
 
 // 8 E2M1 codes (one a byte) as floats: the magnitude through an 8-entry table, the sign bit moved to bit 31.
 MOSAIC_AVX2 inline __m256 e2m1x8(__m128i codes, __m256 lut) {
@@ -283,6 +315,6 @@ MOSAIC_AVX2 void mxfp4_avx2(const MatvecArgs& a) {
 }  // namespace
 
 IsaKernels avx2_kernels() { return {q4_avx2, fp8_avx2, mxfp4_avx2}; }
-IsaKernels avx2_int8_kernels() { return {q4_avx2_int8, fp8_avx2, mxfp4_avx2}; }
+IsaKernels avx2_int8_kernels() { return {q4_avx2_int8, fp8_avx2, mxfp4_avx2_int8}; }
 
 }  // namespace mosaic
