@@ -13,7 +13,6 @@ from builders import tiny_gpt_oss
 from families import BASE, CASES
 from mosaic_runtime.chat import Conversation
 from mosaic_runtime.engine import Engine
-from mosaic_runtime.generate import TextCodec
 from mosaic_runtime.harmony import ANALYSIS, FINAL, FinalText, HarmonyStream, is_harmony
 from mosaic_shatter.convert import convert
 
