@@ -69,7 +69,7 @@ struct ExpertFormat {
   ExpertActivation act;
   ExpertFormat() = default;
   ExpertFormat(uint32_t quant, uint32_t scale_dtype, uint32_t hidden, uint32_t intermediate, bool bias,
-               int activation, float alpha, float limit);  // checked: throws for unknown codes (bindings)
+               int activation, float alpha, float limit);  // throws std::invalid_argument for unknown codes
 };
 
 // g[i] = act(g[i], u[i]) for i < n, in place.
@@ -196,7 +196,7 @@ inline void apply_activation(const ExpertActivation& act, float* g, const float*
   }
   const float lim = act.limit, alpha = act.alpha;
   for (uint64_t i = 0; i < n; ++i) {
-    const float gi = g[i] < lim ? g[i] : lim;  // NaN stays NaN, as torch.clamp
+    const float gi = g[i] > lim ? lim : g[i];  // NaN stays NaN, as under torch.clamp
     const float ui = u[i] < -lim ? -lim : u[i] > lim ? lim : u[i];
     g[i] = (ui + 1.f) * (gi / (1.f + std::exp(-alpha * gi)));
   }
