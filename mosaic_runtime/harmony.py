@@ -11,6 +11,7 @@ channel and, on request, the analysis; a conversation keeps the two apart for th
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from .generate import Detokenizer, TextCodec
@@ -18,6 +19,7 @@ from .generate import Detokenizer, TextCodec
 START, END, MESSAGE, CHANNEL, RETURN, CALL = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>",
                                               "<|call|>")
 FINAL, ANALYSIS = "final", "analysis"
+_FUNCTION = re.compile(r"to=functions\.([^\s<]+)")  # a message to a function: a tool call
 
 
 def is_harmony(codec: TextCodec) -> bool:
@@ -34,6 +36,8 @@ class HarmonyStream:
 
     codec: TextCodec
     messages: list[tuple[str, str]] = field(default_factory=list)  # (channel, text) of each message so far
+    functions: list[str | None] = field(default_factory=list)  # each message's function recipient, if any
+    closed: int = 0  # messages ended (by <|end|>, <|return|>, <|call|> or the next <|start|>)
     _in_header: bool = True
     _header: list[int] = field(default_factory=list)
     _text: Detokenizer | None = None
@@ -58,6 +62,8 @@ class HarmonyStream:
             if token == self._message:
                 self._in_header, self._text = False, Detokenizer(self.codec)
                 self.messages.append((self.channel, ""))
+                to = _FUNCTION.search(self.codec.decode(self._header, skip_special_tokens=False))
+                self.functions.append(to[1] if to else None)
             elif token == self._start:
                 self._header = []
             else:
@@ -85,27 +91,15 @@ class HarmonyStream:
         self.messages[-1] = (channel, text + piece)
         return channel, piece
 
+    def close(self) -> None:
+        """End the message being written (generation stopped inside it)."""
+        self._close()
+
     def _close(self) -> None:
         if self._text is not None:
             tail = self._text.flush()
             if tail:
                 self._add(tail)
+            self.closed += 1
         self._in_header, self._header, self._text = True, [], None
 
-
-class FinalText:
-    """A Detokenizer's interface (push a token, get new text; flush) over a harmony answer: the final
-    channel's text only, for clients that take one answer (the server's APIs)."""
-
-    def __init__(self, codec: TextCodec):
-        self.stream = HarmonyStream(codec)
-
-    def push(self, token: int) -> str:
-        return self._final(self.stream.push(token))
-
-    def flush(self) -> str:
-        return self._final(self.stream.flush())
-
-    @staticmethod
-    def _final(got: tuple[str, str] | None) -> str:
-        return got[1] if got is not None and got[0] == FINAL else ""

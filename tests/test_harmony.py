@@ -13,7 +13,8 @@ from builders import tiny_gpt_oss
 from families import BASE, CASES
 from mosaic_runtime.chat import Conversation
 from mosaic_runtime.engine import Engine
-from mosaic_runtime.harmony import ANALYSIS, FINAL, FinalText, HarmonyStream, is_harmony
+from mosaic_runtime.harmony import ANALYSIS, FINAL, HarmonyStream, is_harmony
+from mosaic_runtime.serve.tool_calls import HarmonyText, ToolCall, ToolCallStream
 from mosaic_shatter.convert import convert
 
 TEMPLATE = Path(__file__).parent / "data" / "templates" / "gpt-oss.jinja"
@@ -99,8 +100,21 @@ def test_chat_shows_the_final_channel_and_the_analysis_on_request(engine, monkey
     assert "".join(chat.ask("again")).endswith("Again.")
 
 
-def test_the_server_answers_with_the_final_channel(engine):
-    """What the server's worker streams for a harmony model (FinalText in place of a Detokenizer)."""
-    final = FinalText(engine.codec)
-    text = "".join(final.push(t) for t in engine.codec.encode(ANSWER)) + final.flush()
-    assert text == "Hello ✓ wörld"
+def test_the_server_answers_with_the_final_channel_and_its_tool_calls(engine):
+    """What the server's worker streams for a harmony model (HarmonyText in place of a Detokenizer): the final
+    channel, and a message to functions.NAME as a tool call that ToolCallStream finds like any other."""
+    codec = engine.codec
+
+    def served(answer: str) -> list:
+        text, calls = HarmonyText(codec), ToolCallStream()
+        parts = [p for t in codec.encode(answer) for p in calls.push(text.push(t))]
+        return parts + calls.push(text.flush()) + calls.finish()
+    assert "".join(served(ANSWER)) == "Hello ✓ wörld"
+    call = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+            'to=functions.get_weather <|constrain|>json<|message|>{"city": "Zürich"}<|call|>')
+    parts = served(call)
+    assert len(parts) == 1 and isinstance(parts[0], ToolCall)
+    assert (parts[0].name, parts[0].arguments) == ("get_weather", {"city": "Zürich"})
+    # cut short inside the call (max_tokens): the call so far still ends the answer as one
+    parts = served(call[:call.index("<|call|>")])
+    assert isinstance(parts[0], ToolCall) and parts[0].arguments == {"city": "Zürich"}

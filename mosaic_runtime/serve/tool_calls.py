@@ -1,11 +1,15 @@
 """Tool calls in a model's streamed output: Qwen3's (and Hermes') `<tool_call>{"name", "arguments"}</tool_call>`
-blocks, separated from the text around them as the text arrives."""
+blocks, separated from the text around them as the text arrives; a harmony answer's (gpt-oss) function
+calls written as such blocks (HarmonyText)."""
 
 from __future__ import annotations
 
 import json
 import secrets
 from dataclasses import dataclass
+
+from ..generate import TextCodec
+from ..harmony import FINAL, HarmonyStream
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -143,3 +147,35 @@ class AnswerParts:
 
     def finish(self, cut_short: bool = False) -> list[str | ToolCall]:
         return self.stream.finish(cut_short) if self.stream is not None else []
+
+
+class HarmonyText:
+    """A Detokenizer's interface (push a token, get new text; flush) over a harmony answer (gpt-oss): the
+    final channel's text, and each message to `functions.NAME` (harmony's tool call, whose text is the
+    arguments' JSON) as a `<tool_call>` block once it ends, for ToolCallStream to find like any other.
+    The analysis channel is left out."""
+
+    def __init__(self, codec: TextCodec):
+        self.stream, self.given = HarmonyStream(codec), 0  # messages looked at for calls
+
+    def push(self, token: int) -> str:
+        return self._final(self.stream.push(token)) + self._calls()
+
+    def flush(self) -> str:
+        text = self._final(self.stream.flush())
+        self.stream.close()
+        return text + self._calls()
+
+    def _calls(self) -> str:
+        out = []
+        for i in range(self.given, self.stream.closed):
+            name = self.stream.functions[i]
+            if name:
+                out.append(OPEN + json.dumps({"name": name, "arguments": self.stream.messages[i][1]},
+                                             ensure_ascii=False) + CLOSE)
+        self.given = self.stream.closed
+        return "".join(out)
+
+    @staticmethod
+    def _final(got: tuple[str, str] | None) -> str:
+        return got[1] if got is not None and got[0] == FINAL else ""

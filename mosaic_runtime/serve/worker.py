@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 from ..generate import Detokenizer, StopText
-from ..harmony import FinalText, is_harmony
+from ..harmony import is_harmony
 from ..vault.format import VaultError
 from .fleet import Fleet, ModelEntry
 from .request import Generation, RequestError
+from .tool_calls import HarmonyText
 
 log = logging.getLogger("mosaic.serve")
 T = TypeVar("T")
@@ -137,9 +138,10 @@ class Worker:
     @staticmethod
     def _stream(job: Job, engine, cache, tokens, answer: list[int]) -> tuple[str, str | None]:
         """Emit the answer's text as its tokens come, into answer; (why it ended, the stop string if one). A
-        model answering in harmony's channels (gpt-oss) is answered with its final channel."""
+        model answering in harmony's channels (gpt-oss) is answered with its final channel and its function
+        calls (HarmonyText)."""
         cut = StopText(job.gen.stop)
-        text = FinalText(engine.codec) if is_harmony(engine.codec) else Detokenizer(engine.codec)
+        text = HarmonyText(engine.codec) if is_harmony(engine.codec) else Detokenizer(engine.codec)
         for n, token in enumerate(tokens):
             if n == 0:
                 cache.prompt_fed(job.ids)  # the state holds the prompt exactly: a turn boundary
