@@ -118,3 +118,17 @@ def test_the_server_answers_with_the_final_channel_and_its_tool_calls(engine):
     # cut short inside the call (max_tokens): the call so far still ends the answer as one
     parts = served(call[:call.index("<|call|>")])
     assert isinstance(parts[0], ToolCall) and parts[0].arguments == {"city": "Zürich"}
+
+
+def test_a_forced_tool_call_opens_the_harmony_message(engine):
+    """tool_choice naming a function: the prompt ends on the opening of a commentary message to it, and the
+    answer (the arguments, then <|call|>) comes back as that call."""
+    from mosaic_runtime.serve.prompt import forced_opening
+    from mosaic_runtime.serve.request import Generation, ToolChoice
+    gen = Generation("m", 16, tool_choice=ToolChoice("function", "get_weather"))
+    codec = engine.codec
+    prompt = codec.encode(codec.render_chat([{"role": "user", "content": "weather?"}]) + forced_opening(gen, True))
+    text, calls = HarmonyText(codec, prompt), ToolCallStream()
+    parts = [p for t in codec.encode('{"city": "Bern"}<|call|>') for p in calls.push(text.push(t))]
+    parts += calls.push(text.flush()) + calls.finish()
+    assert len(parts) == 1 and (parts[0].name, parts[0].arguments) == ("get_weather", {"city": "Bern"})

@@ -6,12 +6,20 @@ from __future__ import annotations
 import json
 
 from ..generate import ChatTemplateError
+from ..harmony import is_harmony
 from .fleet import ModelEntry
 from .request import Generation, RequestError
 
 
-def forced_opening(gen: Generation) -> str:
-    """The start of the answer that tool_choice demands, in the <tool_call> format of the Qwen templates."""
+def forced_opening(gen: Generation, harmony: bool = False) -> str:
+    """The start of the answer that tool_choice demands, in the <tool_call> format of the Qwen templates, or
+    (harmony) as a commentary message to a function."""
+    if harmony:
+        if gen.tool_choice.mode == "required":
+            return "<|channel|>commentary to=functions."
+        if gen.tool_choice.mode == "function":
+            return f"<|channel|>commentary to=functions.{gen.tool_choice.name} <|constrain|>json<|message|>"
+        return ""
     if gen.tool_choice.mode == "required":
         return "<tool_call>\n"
     if gen.tool_choice.mode == "function":
@@ -20,7 +28,8 @@ def forced_opening(gen: Generation) -> str:
 
 
 def prompt_ids(entry: ModelEntry, gen: Generation, max_seq: int) -> tuple[list[int], str]:
-    """(the prompt's token ids, the forced opening they end with).
+    """(the prompt's token ids, the forced opening they end with as the answer's tool-call parser must see it:
+    none for harmony, whose opening the worker reads from the prompt's last message header).
 
     Raises:
         RequestError: the template fails or cannot render tools, the prompt is empty, or it does not fit.
@@ -36,8 +45,10 @@ def prompt_ids(entry: ModelEntry, gen: Generation, max_seq: int) -> tuple[list[i
         except ChatTemplateError as e:
             raise RequestError(f"the chat template of {entry.name} cannot render these messages: {e}",
                                param="messages") from None
-        forced = forced_opening(gen) if tools else ""
-        text += forced
+        harmony = is_harmony(codec)
+        opening = forced_opening(gen, harmony) if tools else ""
+        text += opening
+        forced = "" if harmony else opening
     else:
         text = gen.prompt or ""
     ids = codec.encode(text)

@@ -9,7 +9,7 @@ import secrets
 from dataclasses import dataclass
 
 from ..generate import TextCodec
-from ..harmony import FINAL, HarmonyStream
+from ..harmony import FINAL, START, HarmonyStream
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -155,8 +155,14 @@ class HarmonyText:
     arguments' JSON) as a `<tool_call>` block once it ends, for ToolCallStream to find like any other.
     The analysis channel is left out."""
 
-    def __init__(self, codec: TextCodec):
+    def __init__(self, codec: TextCodec, prompt_ids: list[int] = ()):
+        """prompt_ids: the answer continues the prompt's last message header (after its last <|start|>):
+        `assistant`, and any opening a forced tool call put there."""
         self.stream, self.given = HarmonyStream(codec), 0  # messages looked at for calls
+        start = codec.token_id(START)
+        last = max((i for i, t in enumerate(prompt_ids) if t == start), default=None)
+        for token in prompt_ids[last:] if last is not None else ():
+            self.stream.push(token)
 
     def push(self, token: int) -> str:
         return self._final(self.stream.push(token)) + self._calls()

@@ -141,7 +141,7 @@ class Worker:
         model answering in harmony's channels (gpt-oss) is answered with its final channel and its function
         calls (HarmonyText)."""
         cut = StopText(job.gen.stop)
-        text = HarmonyText(engine.codec) if is_harmony(engine.codec) else Detokenizer(engine.codec)
+        text = HarmonyText(engine.codec, job.ids) if is_harmony(engine.codec) else Detokenizer(engine.codec)
         for n, token in enumerate(tokens):
             if n == 0:
                 cache.prompt_fed(job.ids)  # the state holds the prompt exactly: a turn boundary
