@@ -104,7 +104,9 @@ class Conversation:
                     yield piece
             if piece := show(stream.flush()):
                 yield piece
+            if not stream.messages and answer:  # not harmony after all: what it said, as it said it
+                yield self.engine.codec.decode(answer)
         finally:
-            reply["content"] = stream.text(FINAL)
+            reply["content"] = stream.text(FINAL) if stream.messages else self.engine.codec.decode(answer)
             if stream.text(ANALYSIS):
                 reply["thinking"] = stream.text(ANALYSIS)

@@ -98,6 +98,8 @@ def test_chat_shows_the_final_channel_and_the_analysis_on_request(engine, monkey
     assert "<|channel|>final<|message|>Hello ✓ wörld<|end|>" in text and "greets" not in text
     scripted(engine, monkeypatch, "<|channel|>final<|message|>Again.<|return|>")
     assert "".join(chat.ask("again")).endswith("Again.")
+    scripted(engine, monkeypatch, "no channels at all")  # a model not writing harmony: shown as it is
+    assert "".join(chat.ask("more")) == "no channels at all" and chat.messages[-1]["content"] == "no channels at all"
 
 
 def test_the_server_answers_with_the_final_channel_and_its_tool_calls(engine):
@@ -115,6 +117,7 @@ def test_the_server_answers_with_the_final_channel_and_its_tool_calls(engine):
     parts = served(call)
     assert len(parts) == 1 and isinstance(parts[0], ToolCall)
     assert (parts[0].name, parts[0].arguments) == ("get_weather", {"city": "Zürich"})
+    assert "".join(served("plain words, no channels")) == "plain words, no channels"  # not harmony: kept
     # cut short inside the call (max_tokens): the call so far still ends the answer as one
     parts = served(call[:call.index("<|call|>")])
     assert isinstance(parts[0], ToolCall) and parts[0].arguments == {"city": "Zürich"}

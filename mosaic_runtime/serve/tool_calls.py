@@ -153,23 +153,28 @@ class HarmonyText:
     """A Detokenizer's interface (push a token, get new text; flush) over a harmony answer (gpt-oss): the
     final channel's text, and each message to `functions.NAME` (harmony's tool call, whose text is the
     arguments' JSON) as a `<tool_call>` block once it ends, for ToolCallStream to find like any other.
-    The analysis channel is left out."""
+    The analysis channel is left out. An answer that never opens a message (a model not writing harmony)
+    comes back as its plain text when it ends: nothing it said is lost."""
 
     def __init__(self, codec: TextCodec, prompt_ids: list[int] = ()):
         """prompt_ids: the answer continues the prompt's last message header (after its last <|start|>):
         `assistant`, and any opening a forced tool call put there."""
-        self.stream, self.given = HarmonyStream(codec), 0  # messages looked at for calls
+        self.codec, self.stream, self.given = codec, HarmonyStream(codec), 0  # messages looked at for calls
+        self.answer: list[int] = []
         start = codec.token_id(START)
         last = max((i for i, t in enumerate(prompt_ids) if t == start), default=None)
         for token in prompt_ids[last:] if last is not None else ():
             self.stream.push(token)
 
     def push(self, token: int) -> str:
+        self.answer.append(token)
         return self._final(self.stream.push(token)) + self._calls()
 
     def flush(self) -> str:
         text = self._final(self.stream.flush())
         self.stream.close()
+        if not self.stream.messages:
+            return self.codec.decode(self.answer)
         return text + self._calls()
 
     def _calls(self) -> str:
