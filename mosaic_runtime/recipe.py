@@ -242,8 +242,17 @@ def read_recipe(arch: dict) -> ModelRecipe:
     """The recipe of a vault's arch block.
 
     Raises:
-        NotImplementedError: a setting this runtime cannot run (named, with its value).
+        NotImplementedError: a setting this runtime cannot run (named, with its value), or a block that is
+            not one at all (a key missing from a nested object, a value of the wrong type: a damaged vault).
     """
+    try:
+        return _read_recipe(arch)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        what = f"{e} is missing" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+        raise NotImplementedError(f"the arch block is not one this runtime reads ({what})") from None
+
+
+def _read_recipe(arch: dict) -> ModelRecipe:
     a = ArchReader(arch)
     for key in INFORMATIONAL:
         a.get(key)

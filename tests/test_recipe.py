@@ -73,6 +73,16 @@ def test_what_the_runtime_cannot_run_is_refused_by_name(key, value, message):
         read_recipe(arch)
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"rope": {"type": "default"}}, "'theta' is missing"),  # found by benchmarks/fuzz.py
+    ({"num_attention_heads": "32"}, "TypeError"),
+    ({"linear_attention": {"num_key_heads": 2}}, "is missing"),
+])
+def test_a_malformed_arch_block_is_refused_not_raised_through(change, message):
+    with pytest.raises(NotImplementedError, match=message):
+        read_recipe({**arch_of("qwen3-30b-a3b.config.json"), **change})
+
+
 def test_sliding_and_biases_are_read_not_ignored():
     """attention_bias and sliding_window were once written and ignored: now they shape the recipe."""
     arch = arch_of("qwen3-30b-a3b.config.json")

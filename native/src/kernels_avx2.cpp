@@ -191,14 +191,15 @@ MOSAIC_AVX2 void quantise_x(const MatvecArgs& a, int pairs, int groups, Quantise
 // One row against one token's quantised x. Per 32 bytes of codes (two blocks): one load, the two nibble
 // masks, two vpmaddubsw, one add, one vpmaddwd, one convert, the scale permute and one FMA. Two
 // accumulators alternate so the FMA latency is not paid on every pair.
-template <typename Codes, typename Scale>
-MOSAIC_AVX2 float int8_row(const uint8_t* row, const Scale* rs, int blocks, int groups, const int8_t* q,
-                           const float* sx, const float* off) {
+template <int NT, typename Codes, typename Scale>
+MOSAIC_AVX2 void int8_row(const uint8_t* row, const Scale* rs, int blocks, int groups, const int8_t* q, size_t q_stride,
+                          const float* sx, const float* off, size_t s_stride, float* y, int64_t ldy) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   // 2 * e2m1 + 12 by code, in each 128-bit lane for vpshufb
   const __m256i table = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
                                          12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  __m256 acc0[NT], acc1[NT];
+  for (int t = 0; t < NT; ++t) acc0[t] = acc1[t] = _mm256_setzero_ps();
   for (int g = 0; g < groups; ++g) {
     const int b0 = g * kInt8Group, nb = std::min(kInt8Group, blocks - b0);
     _mm_prefetch(reinterpret_cast<const char*>(rs + b0) + kInt8ScalePrefetch, _MM_HINT_T0);
@@ -215,8 +216,11 @@ MOSAIC_AVX2 float int8_row(const uint8_t* row, const Scale* rs, int blocks, int 
     } else {
       d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group)));
     }
-    const __m256 dsx = _mm256_mul_ps(d, _mm256_loadu_ps(sx + b0));
-    acc1 = _mm256_fnmadd_ps(d, _mm256_loadu_ps(off + b0), acc1);
+    __m256 dsx[NT];
+    for (int t = 0; t < NT; ++t) {
+      dsx[t] = _mm256_mul_ps(d, _mm256_loadu_ps(sx + t * s_stride + b0));
+      acc1[t] = _mm256_fnmadd_ps(d, _mm256_loadu_ps(off + t * s_stride + b0), acc1[t]);
+    }
     for (int k = 0; 2 * k < nb; ++k) {
       const int p = b0 / 2 + k;
       const uint8_t* at = row + p * 32;
@@ -225,18 +229,24 @@ MOSAIC_AVX2 float int8_row(const uint8_t* row, const Scale* rs, int blocks, int 
                                        : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
       __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
       if constexpr (Codes::kMx) lo = _mm256_shuffle_epi8(table, lo), hi = _mm256_shuffle_epi8(table, hi);
-      const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + p * 64));
-      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + p * 64 + 32));
-      const __m256i pairs16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, ql), _mm256_maddubs_epi16(hi, qh));
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs16, ones));
       const __m256i lanes = _mm256_setr_epi32(2 * k, 2 * k, 2 * k, 2 * k, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1);
-      const __m256 scale = _mm256_permutevar8x32_ps(dsx, lanes);
-      if (k & 1) acc1 = _mm256_fmadd_ps(dot, scale, acc1);
-      else acc0 = _mm256_fmadd_ps(dot, scale, acc0);
+      for (int t = 0; t < NT; ++t) {
+        const int8_t* qt = q + t * q_stride + p * 64;
+        const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qt));
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qt + 32));
+        const __m256i pairs16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, ql), _mm256_maddubs_epi16(hi, qh));
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs16, ones));
+        const __m256 scale = _mm256_permutevar8x32_ps(dsx[t], lanes);
+        if (k & 1) acc1[t] = _mm256_fmadd_ps(dot, scale, acc1[t]);
+        else acc0[t] = _mm256_fmadd_ps(dot, scale, acc0[t]);
+      }
     }
   }
-  return reduce(_mm256_add_ps(acc0, acc1));
+  for (int t = 0; t < NT; ++t) y[t * ldy] = reduce(_mm256_add_ps(acc0[t], acc1[t]));
 }
+
+// Tokens a prefill step shares a row's unpacked codes among: two keep every accumulator in the 16 registers.
+constexpr int kInt8Tokens = 2;
 
 // Q4 (f16 scales) or MXFP4 (E8M0 scales) against int8 activations.
 template <typename Codes, typename Scale>
@@ -249,10 +259,13 @@ MOSAIC_AVX2 void int8_matvec(const MatvecArgs& a) {
   for (int r = 0; r < a.rows; ++r) {
     const uint8_t* row = a.codes + static_cast<uint64_t>(r) * blocks * kQ4Bytes;
     const Scale* rs = scales + static_cast<uint64_t>(r) * blocks;
-    for (int t = 0; t < a.n; ++t) {
-      const size_t b = static_cast<size_t>(t) * groups * kInt8Group;
-      a.y[static_cast<uint64_t>(t) * a.ldy + r] = int8_row<Codes>(
-          row, rs, blocks, groups, qx.q.data() + static_cast<size_t>(t) * pairs * 64, qx.sx.data() + b, qx.off.data() + b);
+    const size_t q_stride = static_cast<size_t>(pairs) * 64, s_stride = static_cast<size_t>(groups) * kInt8Group;
+    for (int t = 0; t < a.n; t += kInt8Tokens) {  // a prefill's tokens share each row's unpacked codes
+      const int8_t* q = qx.q.data() + t * q_stride;
+      const float *sx = qx.sx.data() + t * s_stride, *off = qx.off.data() + t * s_stride;
+      float* y = a.y + static_cast<uint64_t>(t) * a.ldy + r;
+      if (a.n - t >= kInt8Tokens) int8_row<kInt8Tokens, Codes>(row, rs, blocks, groups, q, q_stride, sx, off, s_stride, y, a.ldy);
+      else int8_row<1, Codes>(row, rs, blocks, groups, q, q_stride, sx, off, s_stride, y, a.ldy);
     }
   }
 }
