@@ -1,5 +1,5 @@
-// Pieces shared by the decode-attention tasks (attention.cpp, attention_i8.cpp): the online softmax over
-// one tile of 16 keys, its exp and the 16-way lane reductions. Internal to native/src.
+// Pieces shared by the AVX-512 decode-attention tasks (attention_avx512.cpp, attention_i8.cpp): the online
+// softmax over one tile of 16 keys, its exp and the 16-way lane reductions. Internal to native/src.
 #pragma once
 
 #include <immintrin.h>
@@ -8,28 +8,16 @@
 #include <cstdint>
 #include <limits>
 
+#include "attention_task.h"
 #include "simd_avx512.h"
 
 namespace mosaic {
 namespace attention {
 
-constexpr int kChunk = 512;  // keys per task: 2 x 512 KB of f32 K and V at head_dim 256
-constexpr int kTile = 16;    // keys whose scores are exponentiated together (one zmm)
-constexpr int kMaxDim = 512;  // the widest head the AVX-512 tasks take
-constexpr int kMaxRep = 64;   // the most query heads a KV head they take
 // A task's reference max moves only when a score exceeds it by more than this, so most tiles need no
 // max reduction and no rescaling of the outputs; probabilities stay below e^8 (about 3000) before the
 // final normalisation.
 constexpr float kSlack = 8.f;
-
-struct Partial {  // one task's state for one query head: its probabilities' sum, relative to e^ref
-  float ref, sum;
-};
-
-struct RowScales {  // an int8 cache's per-row scales for one KV head (position j at k[j], v[j]); else null
-  const float* k = nullptr;
-  const float* v = nullptr;
-};
 
 // exp(x) for x <= kSlack (scores minus their reference max), to about 2 ulp: x = n ln2 + r, |r| <= ln2/2,
 // a degree-6 polynomial for e^r, then scaled by 2^n. Below -87 the result is 0 (a masked key's score is -inf).
@@ -128,20 +116,6 @@ MOSAIC_AVX512 inline void softmax_tile(const __m512* sc, int hb, float* ref, __m
     sums[h] = _mm512_add_ps(sums[h], p);
     _mm512_store_ps(probs[h], _mm512_mul_ps(p, vscale));
   }
-}
-
-// One int8 task through AVX-512 VNNI integer dot products (attention_i8.cpp): rep query heads as int16
-// codes q16 (rep x d) with a scale each (qscale, the attention scale folded in), over keys [k0, k1) of
-// one KV head. Leaves unnormalised outputs in o (rep x d, in i8_order within each block of 32) and
-// max/sum in part. head_dim a multiple of 32, at most kMaxDim; rep at most kMaxRep.
-void task_i8_vnni(const int16_t* q16, const float* qscale, int rep, int d, const int8_t* k, const int8_t* v,
-                  RowScales rs, int k0, int k1, float* o, Partial* part);
-
-// Where task_i8_vnni keeps element i of an output row: each block of 32 holds elements 0-7, 16-23, then
-// 8-15, 24-31 (the order in which byte unpacks pair two value rows).
-inline int i8_order(int i) {
-  const int group = (i >> 3) & 3;
-  return group == 1 ? i + 8 : group == 2 ? i - 8 : i;
 }
 
 }  // namespace attention

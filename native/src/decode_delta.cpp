@@ -43,6 +43,8 @@ __attribute__((always_inline)) inline void delta_head(float* __restrict S, const
   }
 }
 
+#if defined(MOSAIC_X86)
+// The same loops compiled for the wider vectors, chosen at run time.
 __attribute__((target("avx512f,avx512vl,avx2,fma"))) void delta_head_avx512(float* S, const float* q, const float* k,
                                                                              const float* v, float decay, float beta,
                                                                              int dk, int dv, float* u, float* o) {
@@ -53,7 +55,9 @@ __attribute__((target("avx2,fma"))) void delta_head_avx2(float* S, const float* 
                                                          float decay, float beta, int dk, int dv, float* u, float* o) {
   delta_head(S, q, k, v, decay, beta, dk, dv, u, o);
 }
+#endif
 
+// The base ISA's vectors: SSE2 on x86-64, NEON on AArch64.
 void delta_head_scalar(float* S, const float* q, const float* k, const float* v, float decay, float beta, int dk,
                        int dv, float* u, float* o) {
   delta_head(S, q, k, v, decay, beta, dk, dv, u, o);
@@ -114,7 +118,12 @@ void delta_net_step(const DeltaNetMixer& m, const float* h, float* out, float* s
   }
   const int rep = hv / hk;  // value head j reads key head j / rep
   const Isa vec = vector_isa(isa);
-  auto head = vec == Isa::Scalar ? delta_head_scalar : vec == Isa::Avx2 ? delta_head_avx2 : delta_head_avx512;
+#if defined(MOSAIC_X86)
+  auto head = vec == Isa::Avx512 ? delta_head_avx512 : vec == Isa::Avx2 ? delta_head_avx2 : delta_head_scalar;
+#else
+  auto head = delta_head_scalar;
+  (void)vec;
+#endif
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int j = 0; j < hv; ++j) {
     float u[kMaxDeltaValueDim];

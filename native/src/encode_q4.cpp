@@ -142,9 +142,14 @@ EncodeStatus encode(const T* w, int64_t rows, int cols, uint8_t* codes, uint16_t
     const T* row = w + r * cols;
     uint8_t* row_codes = codes + r * nb * kQ4Bytes;
     uint16_t* row_scales = scales + r * nb;
+#if defined(MOSAIC_X86)
     const int row_status = isa == Isa::Avx512 ? detail::encode_q4_row_avx512(row, cols, row_codes, row_scales)
                            : isa == Isa::Avx2 ? detail::encode_q4_row_avx2(row, cols, row_codes, row_scales)
                                               : detail::encode_q4_row_scalar(row, cols, row_codes, row_scales);
+#else
+    const int row_status = detail::encode_q4_row_scalar(row, cols, row_codes, row_scales);
+    (void)isa;
+#endif
     status = std::max(status, row_status);
   }
   return static_cast<EncodeStatus>(status);

@@ -1,6 +1,5 @@
 // Run-time ISA choice and the MoE drivers: whole experts per thread (or, for a decode step, their
 // projections as work items), combined in task order.
-#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -13,52 +12,62 @@
 #include <cstring>
 #include <memory>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
+#include "cpu.h"
 #include "mosaic/kernels.h"
 
 namespace mosaic {
 
 namespace {
 
-Isa hardware_isa() {
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
-    return Isa::Avx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-    return Isa::Avx2;
-  return Isa::Scalar;
+// A float ISA's rank among this architecture's (Scalar 0), or -1 when it is not one of them.
+int rank_of(Isa isa) {
+  int count = 0;
+  const Isa* isas = cpu::vector_isas(&count);
+  for (int i = 0; i < count; ++i)
+    if (isas[i] == isa) return i;
+  return -1;
 }
 
-Isa forced_cap() {  // MOSAIC_ISA, or Avx512 (no cap)
+Isa forced_cap() {  // MOSAIC_ISA, or the hardware's (no cap)
   const char* env = std::getenv("MOSAIC_ISA");
-  if (env == nullptr || *env == '\0') return Isa::Avx512;
-  for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512})
-    if (std::strcmp(env, isa_name(isa)) == 0) return isa;
-  std::fprintf(stderr, "mosaic: MOSAIC_ISA=%s is not one of scalar, avx2, avx512; ignored\n", env);
-  return Isa::Avx512;
+  if (env == nullptr || *env == '\0') return cpu::hardware_isa();
+  int count = 0;
+  const Isa* isas = cpu::vector_isas(&count);
+  for (int i = 0; i < count; ++i)
+    if (std::strcmp(env, isa_name(isas[i])) == 0) return isas[i];
+  std::string names;
+  for (int i = 0; i < count; ++i) names += std::string(i ? ", " : "") + isa_name(isas[i]);
+  std::fprintf(stderr, "mosaic: MOSAIC_ISA=%s is not one of %s; ignored\n", env, names.c_str());
+  return cpu::hardware_isa();
 }
 
 }  // namespace
 
 Isa best_isa() {
-  static const Isa isa = static_cast<Isa>(std::min(static_cast<int>(hardware_isa()), static_cast<int>(forced_cap())));
+  static const Isa isa = [] {
+    const Isa hw = cpu::hardware_isa(), cap = forced_cap();
+    return rank_of(cap) < rank_of(hw) ? cap : hw;
+  }();
   return isa;
 }
 
 Isa int8_isa() {
-  switch (best_isa()) {
-    case Isa::Avx512: return __builtin_cpu_supports("avx512vnni") ? Isa::Avx512Vnni : Isa::Avx2Int8;
-    case Isa::Avx2: return Isa::Avx2Int8;
-    default: return Isa::Scalar;
-  }
+  static const Isa isa = cpu::int8_isa_under(best_isa());
+  return isa;
 }
 
 bool isa_available(Isa isa) {
   switch (isa) {
-    case Isa::Avx512Vnni: return int8_isa() == Isa::Avx512Vnni;
-    case Isa::Avx2Int8: return static_cast<int>(best_isa()) >= static_cast<int>(Isa::Avx2);
-    default: return static_cast<int>(isa) <= static_cast<int>(best_isa());
+    case Isa::Avx512Vnni:
+    case Isa::NeonDot: return int8_isa() == isa;
+    case Isa::Avx2Int8: return rank_of(Isa::Avx2) >= 0 && rank_of(best_isa()) >= rank_of(Isa::Avx2);
+    default: {
+      const int rank = rank_of(isa);
+      return rank >= 0 && rank <= rank_of(best_isa());
+    }
   }
 }
 
@@ -68,16 +77,23 @@ const char* isa_name(Isa isa) {
     case Isa::Avx2Int8: return "avx2-int8";
     case Isa::Avx512: return "avx512";
     case Isa::Avx2: return "avx2";
+    case Isa::Neon: return "neon";
+    case Isa::NeonDot: return "neon-dot";
     default: return "scalar";
   }
 }
 
 IsaKernels kernels_for(Isa isa) {
   switch (isa) {
+#if defined(MOSAIC_X86)
     case Isa::Avx512Vnni: return avx512_vnni_kernels();
     case Isa::Avx2Int8: return avx2_int8_kernels();
     case Isa::Avx512: return avx512_kernels();
     case Isa::Avx2: return avx2_kernels();
+#elif defined(MOSAIC_ARM)
+    case Isa::Neon: return neon_kernels();
+    case Isa::NeonDot: return neon_dot_kernels();
+#endif
     default: return scalar_kernels();
   }
 }
@@ -175,7 +191,7 @@ void moe_decode_staged(const RecordLayout& layout, const ExpertActivation& act, 
       if (!claim[t * 4 + stage].exchange(1)) pick = t * 4 + stage;
     }
     if (pick < 0) {
-      _mm_pause();  // the other thread is finishing a gate or up this one's remaining downs need
+      cpu::relax();  // the other thread is finishing a gate or up this one's remaining downs need
       continue;
     }
     const int t = pick / 4, stage = pick % 4;

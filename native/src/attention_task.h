@@ -1,0 +1,64 @@
+// What the decode-attention driver (attention.cpp) and its per-ISA tasks share: the chunking, a task's
+// partial result, and the tasks' entry points. Internal to native/src.
+#pragma once
+
+#include <cstdint>
+
+namespace mosaic {
+namespace attention {
+
+constexpr int kChunk = 512;  // keys per task: 2 x 512 KB of f32 K and V at head_dim 256
+constexpr int kTile = 16;    // keys whose scores are exponentiated together (one zmm)
+constexpr int kMaxDim = 512;  // the widest head the AVX-512 tasks take
+constexpr int kMaxRep = 64;   // the most query heads a KV head they take
+
+struct Partial {  // one task's state for one query head: its probabilities' sum, relative to e^ref
+  float ref, sum;
+};
+
+struct RowScales {  // an int8 cache's per-row scales for one KV head (position j at k[j], v[j]); else null
+  const float* k = nullptr;
+  const float* v = nullptr;
+};
+
+// One task: rep query heads (q, rep x d, already times the attention scale, in the task's element order)
+// over keys [k0, k1) of one KV head (k and v: that head's rows, d elements each; int8 rows times rs).
+// Leaves unnormalised outputs in o (rep x d, the same order) and each head's max and sum in part.
+// AVX-512 (attention_avx512.cpp): head_dim a multiple of 16 (of 32 for bf16 and int8), at most kMaxDim,
+// rep at most kMaxRep; bf16 rows in the evens-then-odds order of each block of 32 (split_order).
+void task_avx512(const float* q, int rep, int d, const float* k, const float* v, RowScales rs, int k0, int k1,
+                 float* o, Partial* part);
+void task_avx512(const float* q, int rep, int d, const uint16_t* k, const uint16_t* v, RowScales rs, int k0, int k1,
+                 float* o, Partial* part);
+void task_avx512(const float* q, int rep, int d, const int8_t* k, const int8_t* v, RowScales rs, int k0, int k1,
+                 float* o, Partial* part);
+// AVX2 (attention_avx2.cpp) and NEON (attention_neon.cpp): head_dim a multiple of 8, elements in place.
+void task_avx2(const float* q, int rep, int d, const float* k, const float* v, RowScales rs, int k0, int k1,
+               float* o, Partial* part);
+void task_avx2(const float* q, int rep, int d, const uint16_t* k, const uint16_t* v, RowScales rs, int k0, int k1,
+               float* o, Partial* part);
+void task_avx2(const float* q, int rep, int d, const int8_t* k, const int8_t* v, RowScales rs, int k0, int k1,
+               float* o, Partial* part);
+void task_neon(const float* q, int rep, int d, const float* k, const float* v, RowScales rs, int k0, int k1,
+               float* o, Partial* part);
+void task_neon(const float* q, int rep, int d, const uint16_t* k, const uint16_t* v, RowScales rs, int k0, int k1,
+               float* o, Partial* part);
+void task_neon(const float* q, int rep, int d, const int8_t* k, const int8_t* v, RowScales rs, int k0, int k1,
+               float* o, Partial* part);
+
+// One int8 task through AVX-512 VNNI integer dot products (attention_i8.cpp): rep query heads as int16
+// codes q16 (rep x d) with a scale each (qscale, the attention scale folded in), over keys [k0, k1) of
+// one KV head. Leaves unnormalised outputs in o (rep x d, in i8_order within each block of 32) and
+// max/sum in part. head_dim a multiple of 32, at most kMaxDim; rep at most kMaxRep.
+void task_i8_vnni(const int16_t* q16, const float* qscale, int rep, int d, const int8_t* k, const int8_t* v,
+                  RowScales rs, int k0, int k1, float* o, Partial* part);
+
+// Where task_i8_vnni keeps element i of an output row: each block of 32 holds elements 0-7, 16-23, then
+// 8-15, 24-31 (the order in which byte unpacks pair two value rows).
+inline int i8_order(int i) {
+  const int group = (i >> 3) & 3;
+  return group == 1 ? i + 8 : group == 2 ? i - 8 : i;
+}
+
+}  // namespace attention
+}  // namespace mosaic

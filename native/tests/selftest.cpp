@@ -1,0 +1,368 @@
+// The native core without Python: every kernel of this build's ISAs against the scalar reference on odd
+// shapes, and the CRC against a bit-at-a-time one. It is how a build for another CPU is tested where the
+// Python suite cannot run (the AArch64 cross build under qemu-user, `make test-arm`); the Python tests
+// (tests/test_kernels.py and others) hold the same kernels to torch on the machine that runs them.
+// Prints one line per check that fails and a summary; exits 1 when any failed.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "mosaic/crc32.h"
+#include "mosaic/kernels.h"
+#include "mosaic/vault_format.h"
+
+using namespace mosaic;
+
+namespace {
+
+int checks = 0, failures = 0;
+std::mt19937 rng(20261203);
+
+void expect(bool ok, const std::string& what) {
+  ++checks;
+  if (!ok) {
+    ++failures;
+    std::printf("FAIL %s\n", what.c_str());
+  }
+}
+
+float uniform(float lo, float hi) { return std::uniform_real_distribution<float>(lo, hi)(rng); }
+uint8_t byte() { return static_cast<uint8_t>(rng() & 0xFF); }
+std::vector<float> floats(size_t n) {
+  std::vector<float> v(n);
+  for (float& x : v) x = uniform(-1.f, 1.f);
+  return v;
+}
+uint16_t bf16_of(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  return static_cast<uint16_t>(bits >> 16);
+}
+uint16_t f16_scale() { return static_cast<uint16_t>(((8 + rng() % 5) << 10) | (rng() & 0x3FF)); }  // 2^-7..2^-3
+uint8_t e4m3_code() {
+  const uint8_t b = byte();
+  return (b & 0x7F) == 0x7F ? b & 0xF0 : b;  // no NaN
+}
+
+// Each ISA of this build but the scalar one, float ones first.
+std::vector<Isa> isas_under_test() {
+  std::vector<Isa> out;
+  for (Isa isa : {Isa::Avx2, Isa::Avx512, Isa::Neon, Isa::Avx2Int8, Isa::Avx512Vnni, Isa::NeonDot})
+    if (isa_available(isa)) out.push_back(isa);
+  return out;
+}
+
+bool int8_activations(Isa isa) { return isa != vector_isa(isa); }
+
+std::string where(const char* kernel, Isa isa, int rows, int cols, int n) {
+  return std::string(kernel) + " " + isa_name(isa) + " rows " + std::to_string(rows) + " cols " +
+         std::to_string(cols) + " n " + std::to_string(n);
+}
+
+// |got - want| within the bound per element: float rounding (rel of the absolute products) or, for int8
+// activations, their rounding error against the weights' absolute sums.
+void compare(const std::vector<float>& got, const std::vector<float>& want, const std::vector<float>& bound,
+             const std::string& what) {
+  float worst = 0.f;
+  bool ok = true;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const float err = std::fabs(got[i] - want[i]);
+    ok = ok && err <= bound[i];  // a NaN fails too
+    worst = std::max(worst, err / bound[i]);
+  }
+  expect(ok, what + " (worst error " + std::to_string(worst) + " of its bound)");
+}
+
+// --- expert matvecs ----------------------------------------------------------------------------------
+
+struct Matrix {
+  std::vector<uint8_t> codes;
+  std::vector<uint8_t> scales;  // raw bytes of the scale plane
+  ScaleDtype dtype;
+  std::vector<float> dequant;   // rows x cols, the reference's weights
+};
+
+Matrix random_matrix(QuantType quant, int rows, int cols) {
+  Matrix m;
+  const int blocks = (cols + 31) / 32;
+  m.dequant.assign(static_cast<size_t>(rows) * cols, 0.f);
+  if (quant == QuantType::FP8_B128) {
+    const int srows = (rows + 127) / 128, scols = (cols + 127) / 128;
+    m.dtype = ScaleDtype::F32;
+    m.codes.resize(static_cast<size_t>(rows) * cols);
+    for (auto& c : m.codes) c = e4m3_code();
+    std::vector<float> s(static_cast<size_t>(srows) * scols);
+    for (float& x : s) x = uniform(0.001f, 0.01f);
+    m.scales.resize(s.size() * 4);
+    std::memcpy(m.scales.data(), s.data(), m.scales.size());
+    for (int r = 0; r < rows; ++r)
+      for (int c = 0; c < cols; ++c)
+        m.dequant[static_cast<size_t>(r) * cols + c] =
+            e4m3_to_f32(m.codes[static_cast<size_t>(r) * cols + c]) * s[(r / 128) * scols + c / 128];
+    return m;
+  }
+  m.codes.resize(static_cast<size_t>(rows) * blocks * 16);
+  for (auto& c : m.codes) c = byte();
+  const bool mx = quant == QuantType::MXFP4_G32;
+  m.dtype = mx ? ScaleDtype::E8M0 : ScaleDtype::F16;
+  m.scales.resize(static_cast<size_t>(rows) * blocks * (mx ? 1 : 2));
+  for (int i = 0; i < rows * blocks; ++i) {
+    if (mx) m.scales[i] = static_cast<uint8_t>(120 + rng() % 8);
+    else {
+      const uint16_t h = f16_scale();
+      std::memcpy(m.scales.data() + 2 * i, &h, 2);
+    }
+  }
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < cols; ++c) {
+      const int b = c / 32, j = c % 32, at = r * blocks + b;
+      const uint8_t* blk = m.codes.data() + static_cast<size_t>(at) * 16;
+      float w;
+      if (mx) w = kE2m1[(blk[j / 2] >> (4 * (j & 1))) & 0xF] * e8m0_to_f32(m.scales[at]);
+      else {
+        uint16_t h;
+        std::memcpy(&h, m.scales.data() + 2 * at, 2);
+        w = (static_cast<float>(j < 16 ? blk[j] & 0xF : blk[j - 16] >> 4) - 8.f) * f16_to_f32(h);
+      }
+      m.dequant[static_cast<size_t>(r) * cols + c] = w;
+    }
+  return m;
+}
+
+void check_matvec() {
+  const QuantType quants[] = {QuantType::Q4_G32, QuantType::FP8_B128, QuantType::MXFP4_G32};
+  const int shapes[][2] = {{1, 32}, {3, 40}, {17, 96}, {33, 257}, {130, 200}, {8, 1000}};
+  for (Isa isa : isas_under_test())
+    for (QuantType quant : quants)
+      for (const auto& shape : shapes)
+        for (int n : {1, 2, 5}) {
+          const int rows = shape[0], cols = shape[1];
+          const Matrix m = random_matrix(quant, rows, cols);
+          const int ldx = cols + 3, ldy = rows + 1;  // strides past the data, as the drivers pass them
+          const std::vector<float> x = floats(static_cast<size_t>(n) * ldx);
+          std::vector<float> want(static_cast<size_t>(n) * ldy, 0.f), got(want.size(), 0.f), bound(want.size(), 1e-6f);
+          MatvecArgs args{m.codes.data(), m.scales.data(), m.dtype, rows, cols, x.data(), ldx, n, want.data(), ldy};
+          kernels_for(Isa::Scalar).of(quant)(args);
+          args.y = got.data();
+          kernels_for(isa).of(quant)(args);
+          for (int t = 0; t < n; ++t)
+            for (int r = 0; r < rows; ++r) {
+              double abs_sum = 0, amax_sum = 0;  // sum |w x|; sum over blocks of |w|_1 * amax(x block)
+              for (int b = 0; b * 32 < cols; ++b) {
+                double wsum = 0, amax = 0;
+                for (int c = b * 32; c < std::min(cols, b * 32 + 32); ++c) {
+                  const double w = m.dequant[static_cast<size_t>(r) * cols + c], xc = x[static_cast<size_t>(t) * ldx + c];
+                  abs_sum += std::fabs(w * xc);
+                  wsum += std::fabs(w);
+                  amax = std::max(amax, std::fabs(xc));
+                }
+                amax_sum += wsum * amax;
+              }
+              // int8: each activation off by at most half a step (amax / 254) of its block
+              const double b = 1e-5 * abs_sum + (int8_activations(isa) ? amax_sum / 254.0 * 1.01 : 0.0) + 1e-6;
+              bound[static_cast<size_t>(t) * ldy + r] = static_cast<float>(b);
+            }
+          compare(got, want, bound, where(quant == QuantType::Q4_G32 ? "q4" : quant == QuantType::FP8_B128 ? "fp8" : "mxfp4",
+                                          isa, rows, cols, n));
+        }
+}
+
+// --- a whole MoE layer through the driver, on 1 and 2 threads --------------------------------------
+
+void check_moe() {
+  const int hidden = 96, inter = 72, experts = 5;
+  for (Isa isa : isas_under_test())
+    for (QuantType quant : {QuantType::Q4_G32, QuantType::MXFP4_G32}) {
+      const bool mx = quant == QuantType::MXFP4_G32;
+      const RecordLayout layout = record_layout(quant, mx ? ScaleDtype::E8M0 : ScaleDtype::F16, hidden, inter, mx);
+      std::vector<std::vector<uint8_t>> records(experts, std::vector<uint8_t>(layout.record_bytes, 0));
+      for (auto& rec : records)
+        for (size_t p = 0; p < layout.planes.size(); ++p) {
+          const Plane& pl = layout.planes[p];
+          uint8_t* at = rec.data() + pl.offset;
+          if (pl.kind == PlaneKind::Codes)
+            for (uint64_t i = 0; i < pl.nbytes; ++i) at[i] = byte();
+          else if (pl.kind == PlaneKind::Bias)
+            for (uint64_t i = 0; i < pl.nbytes / 4; ++i) reinterpret_cast<float*>(at)[i] = uniform(-0.1f, 0.1f);
+          else
+            for (uint64_t i = 0; i < pl.nbytes / (mx ? 1 : 2); ++i) {
+              if (mx) at[i] = static_cast<uint8_t>(122 + rng() % 4);
+              else reinterpret_cast<uint16_t*>(at)[i] = f16_scale();
+            }
+        }
+      const ExpertActivation act = mx ? ExpertActivation{ExpertActivation::Kind::ClampedSwiglu, 1.702f, 7.f}
+                                      : ExpertActivation{};
+      for (int tokens : {1, 3}) {
+        const std::vector<float> x = floats(static_cast<size_t>(tokens) * hidden);
+        // every token to experts 0, 2 and 4 (weights differing by token)
+        std::vector<std::vector<int32_t>> idx(3);
+        std::vector<std::vector<float>> wts(3);
+        std::vector<ExpertTask> tasks;
+        for (int e = 0; e < 3; ++e) {
+          for (int t = 0; t < tokens; ++t) idx[e].push_back(t), wts[e].push_back(0.2f + 0.1f * e + 0.05f * t);
+        }
+        for (int e = 0; e < 3; ++e) tasks.push_back({records[2 * e].data(), idx[e].data(), wts[e].data(), tokens});
+        std::vector<float> scratch(moe_scratch_floats(layout, 3 * tokens, tokens, 2));
+        std::vector<float> want(static_cast<size_t>(tokens) * hidden, 0.f);
+        moe_experts(layout, act, x.data(), hidden, tasks.data(), 3, want.data(), scratch.data(), Isa::Scalar, 1);
+        float scale = 0.f;
+        for (float v : want) scale = std::max(scale, std::fabs(v));
+        for (int threads : {1, 2}) {
+          std::vector<float> got(want.size(), 0.f);
+          moe_experts(layout, act, x.data(), hidden, tasks.data(), 3, got.data(), scratch.data(), isa, threads);
+          // int8 activations: about 1 % of the output's scale through two projections; float: rounding
+          const float tol = (int8_activations(isa) ? 3e-2f : 1e-4f) * scale + 1e-5f;
+          compare(got, want, std::vector<float>(want.size(), tol),
+                  std::string("moe_experts ") + (mx ? "mxfp4 " : "q4 ") + isa_name(isa) + " tokens " +
+                      std::to_string(tokens) + " threads " + std::to_string(threads));
+        }
+      }
+    }
+}
+
+// --- backbone projections ----------------------------------------------------------------------------
+
+void check_linear() {
+  const int shapes[][2] = {{1, 8}, {5, 17}, {33, 100}, {64, 257}};
+  for (Isa isa : isas_under_test())
+    for (const auto& shape : shapes)
+      for (int n : {1, 3, 6}) {
+        const int rows = shape[0], cols = shape[1];
+        const std::vector<float> x = floats(static_cast<size_t>(n) * cols), wf = floats(static_cast<size_t>(rows) * cols);
+        std::vector<uint16_t> wb(wf.size());
+        std::vector<uint8_t> w8(wf.size()), wfp8(wf.size());
+        for (size_t i = 0; i < wf.size(); ++i) wb[i] = bf16_of(wf[i]), w8[i] = byte(), wfp8[i] = e4m3_code();
+        std::vector<float> scales(rows);
+        for (float& s : scales) s = uniform(0.001f, 0.01f);
+        std::vector<float> want(static_cast<size_t>(n) * rows), got(want.size());
+        auto bound_of = [&](auto weight) {
+          std::vector<float> b(want.size());
+          for (int t = 0; t < n; ++t)
+            for (int r = 0; r < rows; ++r) {
+              double s = 0;
+              for (int c = 0; c < cols; ++c) s += std::fabs(weight(r, c) * x[static_cast<size_t>(t) * cols + c]);
+              b[static_cast<size_t>(t) * rows + r] = static_cast<float>(1e-5 * s + 1e-6);
+            }
+          return b;
+        };
+        linear_bf16(wb.data(), rows, cols, x.data(), n, want.data(), 1, Isa::Scalar);
+        linear_bf16(wb.data(), rows, cols, x.data(), n, got.data(), 2, isa);
+        compare(got, want, bound_of([&](int r, int c) { return bf16_to_f32(wb[static_cast<size_t>(r) * cols + c]); }),
+                where("linear_bf16", isa, rows, cols, n));
+        for (bool fp8 : {false, true}) {
+          const std::vector<uint8_t>& w = fp8 ? wfp8 : w8;
+          linear_quant(w.data(), scales.data(), fp8, rows, cols, x.data(), n, want.data(), 1, Isa::Scalar);
+          linear_quant(w.data(), scales.data(), fp8, rows, cols, x.data(), n, got.data(), 2, isa);
+          compare(got, want, bound_of([&](int r, int c) {
+                    const uint8_t b = w[static_cast<size_t>(r) * cols + c];
+                    return (fp8 ? e4m3_to_f32(b) : static_cast<float>(static_cast<int8_t>(b))) * scales[r];
+                  }),
+                  where(fp8 ? "linear_quant fp8" : "linear_quant int8", isa, rows, cols, n));
+        }
+      }
+}
+
+// --- decode attention --------------------------------------------------------------------------------
+
+void check_attention() {
+  struct Case {
+    int heads, kv_heads, dim, length;
+    bool sinks;
+  };
+  const Case cases[] = {{1, 1, 8, 1, false}, {4, 2, 24, 17, true}, {8, 2, 64, 600, false},
+                        {6, 3, 128, 33, true}, {4, 1, 80, 515, false}, {2, 2, 36, 5, false}};
+  for (Isa isa : isas_under_test())
+    for (const Case& c : cases) {
+      const int64_t stride = static_cast<int64_t>(c.length + 3) * c.dim;  // head rows apart, as a paged cache's
+      const std::vector<float> q = floats(static_cast<size_t>(c.heads) * c.dim);
+      std::vector<float> k = floats(static_cast<size_t>(c.kv_heads) * stride), v = floats(k.size());
+      for (float& x : k) x *= 3.f;  // peaked softmax
+      std::vector<uint16_t> kb(k.size()), vb(v.size());
+      std::vector<int8_t> k8(k.size()), v8(v.size());
+      std::vector<float> ks(static_cast<size_t>(c.kv_heads) * (c.length + 3)), vs(ks.size());
+      for (size_t i = 0; i < k.size(); ++i) {
+        kb[i] = bf16_of(k[i]), vb[i] = bf16_of(v[i]);
+        k8[i] = static_cast<int8_t>(rng() % 255 - 127), v8[i] = static_cast<int8_t>(rng() % 255 - 127);
+      }
+      for (size_t i = 0; i < ks.size(); ++i) ks[i] = uniform(0.001f, 0.03f), vs[i] = uniform(0.001f, 0.01f);
+      std::vector<float> sinks(c.heads);
+      for (float& s : sinks) s = uniform(-1.f, 2.f);
+      const float* sk = c.sinks ? sinks.data() : nullptr;
+      const float scale = 1.f / std::sqrt(static_cast<float>(c.dim));
+      const size_t out_n = static_cast<size_t>(c.heads) * c.dim;
+      std::vector<float> want(out_n), got(out_n), bound(out_n, 2e-5f);
+      const std::string shape = " heads " + std::to_string(c.heads) + "/" + std::to_string(c.kv_heads) + " dim " +
+                                std::to_string(c.dim) + " length " + std::to_string(c.length);
+      decode_attention(q.data(), c.heads, c.dim, k.data(), v.data(), stride, stride, c.kv_heads, c.length, scale,
+                       want.data(), 1, Isa::Scalar, sk);
+      decode_attention(q.data(), c.heads, c.dim, k.data(), v.data(), stride, stride, c.kv_heads, c.length, scale,
+                       got.data(), 2, isa, sk);
+      compare(got, want, bound, std::string("attention f32 ") + isa_name(isa) + shape);
+      decode_attention_bf16(q.data(), c.heads, c.dim, kb.data(), vb.data(), stride, stride, c.kv_heads, c.length,
+                            scale, want.data(), 1, Isa::Scalar, sk);
+      decode_attention_bf16(q.data(), c.heads, c.dim, kb.data(), vb.data(), stride, stride, c.kv_heads, c.length,
+                            scale, got.data(), 2, isa, sk);
+      compare(got, want, bound, std::string("attention bf16 ") + isa_name(isa) + shape);
+      decode_attention_i8(q.data(), c.heads, c.dim, k8.data(), v8.data(), stride, stride, ks.data(), vs.data(),
+                          c.length + 3, c.kv_heads, c.length, scale, want.data(), 1, Isa::Scalar, sk);
+      decode_attention_i8(q.data(), c.heads, c.dim, k8.data(), v8.data(), stride, stride, ks.data(), vs.data(),
+                          c.length + 3, c.kv_heads, c.length, scale, got.data(), 2, isa, sk);
+      // the integer VNNI task rounds queries and probabilities to 16 bits (about 1e-4 of the output)
+      const float i8_tol = isa == Isa::Avx512Vnni ? 2e-3f : 2e-5f;
+      compare(got, want, std::vector<float>(out_n, i8_tol), std::string("attention int8 ") + isa_name(isa) + shape);
+    }
+}
+
+// --- CRC-32 and the stream ---------------------------------------------------------------------------
+
+uint32_t crc32_bitwise(const uint8_t* p, size_t n) {
+  uint32_t c = ~0u;
+  for (size_t i = 0; i < n; ++i) {
+    c ^= p[i];
+    for (int k = 0; k < 8; ++k) c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+  }
+  return ~c;
+}
+
+void check_crc32() {
+  std::vector<uint8_t> data(70000);
+  for (auto& b : data) b = byte();
+  expect(crc32(0, reinterpret_cast<const uint8_t*>("123456789"), 9) == 0xCBF43926u, "crc32 check value");
+  for (size_t offset : {0, 1, 7}) {
+    for (size_t n : {0, 1, 15, 63, 64, 65, 1000, 16384, 69000}) {
+      const uint8_t* p = data.data() + offset;
+      expect(crc32(0, p, n) == crc32_bitwise(p, n),
+             "crc32 offset " + std::to_string(offset) + " length " + std::to_string(n));
+      if (n > 10)  // a running CRC in two pieces
+        expect(crc32(crc32(0, p, n / 3), p + n / 3, n - n / 3) == crc32_bitwise(p, n),
+               "crc32 continued, length " + std::to_string(n));
+    }
+  }
+}
+
+void check_stream() {
+  std::vector<uint64_t> lanes(1 << 17);  // 1 MiB of 64-bit lanes holding 0, 1, 2, ...
+  for (size_t i = 0; i < lanes.size(); ++i) lanes[i] = i;
+  const double want = static_cast<double>(lanes.size()) * (lanes.size() - 1) / 2;
+  expect(stream_read(reinterpret_cast<const uint8_t*>(lanes.data()), lanes.size() * 8, 2) == want, "stream_read sum");
+}
+
+}  // namespace
+
+int main() {
+  std::printf("best_isa %s, int8_isa %s; testing:", isa_name(best_isa()), isa_name(int8_isa()));
+  for (Isa isa : isas_under_test()) std::printf(" %s", isa_name(isa));
+  std::printf("\n");
+  check_matvec();
+  check_moe();
+  check_linear();
+  check_attention();
+  check_crc32();
+  check_stream();
+  std::printf("%d checks, %d failed\n", checks, failures);
+  return failures == 0 ? 0 : 1;
+}
