@@ -4,8 +4,6 @@
 #include <arm_neon.h>
 
 #include <algorithm>
-#include <cmath>
-#include <limits>
 #include <vector>
 
 #include "attention_task.h"
@@ -44,19 +42,8 @@ void task(const float* q, int rep, int d, const T* k, const T* v, RowScales rs, 
       scores[static_cast<size_t>(r) * n + j] = rs.k ? dot * rs.k[k0 + j] : dot;
     }
   }
-  for (int r = 0; r < rep; ++r) {
-    float* sr = scores.data() + static_cast<size_t>(r) * n;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int j = 0; j < n; ++j) m = std::max(m, sr[j]);
-    float l = 0.f;
-    for (int j = 0; j < n; ++j) {
-      const float p = std::exp(sr[j] - m);
-      l += p;
-      sr[j] = rs.v ? p * rs.v[k0 + j] : p;
-    }
-    part[r] = {m, l};
-    std::fill(o + static_cast<int64_t>(r) * d, o + static_cast<int64_t>(r + 1) * d, 0.f);
-  }
+  softmax_rows(scores.data(), rep, n, rs.v ? rs.v + k0 : nullptr, part);
+  std::fill(o, o + static_cast<int64_t>(rep) * d, 0.f);
   for (int j = 0; j < n; ++j) {
     const T* vr = v + static_cast<int64_t>(k0 + j) * d;
     if (j + 4 < n) __builtin_prefetch(vr + 4 * d);

@@ -2,7 +2,10 @@
 // partial result, and the tasks' entry points. Internal to native/src.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 
 namespace mosaic {
 namespace attention {
@@ -20,6 +23,24 @@ struct RowScales {  // an int8 cache's per-row scales for one KV head (position 
   const float* k = nullptr;
   const float* v = nullptr;
 };
+
+// The softmax of a task that scores all its keys first (the AVX2 and NEON tasks): each of the rep rows of n
+// scores becomes its probabilities relative to the row's max, times the value rows' scales when vscale is
+// given (position j at vscale[j]), and part[r] its max and sum.
+inline void softmax_rows(float* scores, int rep, int n, const float* vscale, Partial* part) {
+  for (int r = 0; r < rep; ++r) {
+    float* sr = scores + static_cast<int64_t>(r) * n;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int j = 0; j < n; ++j) m = std::max(m, sr[j]);
+    float l = 0.f;
+    for (int j = 0; j < n; ++j) {
+      const float p = std::exp(sr[j] - m);
+      l += p;
+      sr[j] = vscale ? p * vscale[j] : p;
+    }
+    part[r] = {m, l};
+  }
+}
 
 // One task: rep query heads (q, rep x d, already times the attention scale, in the task's element order)
 // over keys [k0, k1) of one KV head (k and v: that head's rows, d elements each; int8 rows times rs).

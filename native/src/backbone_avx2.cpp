@@ -66,7 +66,7 @@ MOSAIC_AVX2 void code_row(const uint8_t* w, int cols, const float* x, int ldx, f
     float s = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
     if (Fp8) s *= 256.f;  // the f16 route's 2^-8, undone before the exact tail joins
     for (int j = c; j < cols; ++j)
-      s += (Fp8 ? e4m3_to_f32(w[j]) : static_cast<float>(static_cast<int8_t>(w[j]))) * x[t * ldx + j];
+      s += code_value<Fp8>(w[j]) * x[t * ldx + j];
     y[t * ldy] = scale * s;
   }
 }

@@ -52,7 +52,7 @@ void code_row(const uint8_t* w, int cols, const float* x, int ldx, float scale, 
     float s = vaddvq_f32(vaddq_f32(vaddq_f32(acc[t][0], acc[t][1]), vaddq_f32(acc[t][2], acc[t][3])));
     if (Fp8) s *= 256.f;  // the f16 route's 2^-8, undone before the exact tail joins
     for (int j = c; j < cols; ++j)
-      s += (Fp8 ? e4m3_to_f32(w[j]) : static_cast<float>(static_cast<int8_t>(w[j]))) * x[t * ldx + j];
+      s += code_value<Fp8>(w[j]) * x[t * ldx + j];
     y[t * ldy] = scale * s;
   }
 }

@@ -18,6 +18,12 @@ using Bf16RowFn = void (*)(const uint16_t* w, int cols, const float* x, int ldx,
 using CodeRowFn = void (*)(const uint8_t* w, int cols, const float* x, int ldx, int nt, float scale, float* y,
                            int ldy);
 
+// One code's value: an int8, or an E4M3 byte (the scalar arithmetic of every ISA's row tails).
+template <bool Fp8>
+inline float code_value(uint8_t b) {
+  return Fp8 ? e4m3_to_f32(b) : static_cast<float>(static_cast<int8_t>(b));
+}
+
 struct BackboneRows {
   Bf16RowFn bf16;
   CodeRowFn int8;

@@ -25,7 +25,7 @@ void code_row(const uint8_t* w, int cols, const float* x, int ldx, float scale, 
   for (int t = 0; t < NT; ++t) {
     float s = 0.f;
     for (int c = 0; c < cols; ++c)
-      s += (Fp8 ? e4m3_to_f32(w[c]) : static_cast<float>(static_cast<int8_t>(w[c]))) * x[t * ldx + c];
+      s += code_value<Fp8>(w[c]) * x[t * ldx + c];
     y[t * ldy] = scale * s;
   }
 }
