@@ -181,10 +181,8 @@ class NativeExperts(ExpertExecutor):
     def ran_natively(self, layers, topk_ids: np.ndarray, kernel_s: float) -> None:
         """Account what the native layer loop ran for `layers`: each one's experts (topk_ids[layer]) as ring
         hits, made most recent in ascending id as add_decode would, and the kernel's time."""
-        for layer in layers:
-            experts = sorted(topk_ids[layer].tolist())
-            self.store.routed(layer, experts)
-            self.store.used(layer, experts)
+        if layers:
+            self.store.ran_held(layers, np.sort(topk_ids[layers], axis=1))
         self.kernel_s += kernel_s
 
     def run(self, layer: int, xs: np.ndarray, ids: np.ndarray, w: np.ndarray, experts: list[int]) -> np.ndarray:

@@ -16,7 +16,7 @@ from mosaic_runtime import _native
 from mosaic_shatter.convert import convert
 
 K = _native.kernels
-PATHS = [name for isa, name in ((K.SCALAR, "scalar"), (K.AVX2, "avx2"), (K.AVX512, "avx512"))
+PATHS = [name for isa, name in ((K.SCALAR, "scalar"), (K.AVX2, "avx2"), (K.AVX512, "avx512"), (K.NEON, "neon"))
          if K.isa_available(isa)]
 DECODE = """
 import json, sys, torch

@@ -20,9 +20,9 @@ from mosaic_runtime.vault.quant import (dequantize_fp8, dequantize_mxfp4, dequan
 from mosaic_runtime.vault.record import dequantize_record, pack_record, record_biases
 
 K = _native.kernels
-ISAS = [isa for isa in (K.SCALAR, K.AVX2, K.AVX512) if isa <= K.best_isa()]
+ISAS = [isa for isa in (K.SCALAR, K.AVX2, K.AVX512, K.NEON) if K.isa_available(isa)]
 # The int8-activation ISAs this CPU runs: their Q4 matvec rounds activations, the rest is their float ISA's.
-INT8_ISAS = [isa for isa in (K.AVX2_INT8, K.AVX512_VNNI) if K.isa_available(isa)]
+INT8_ISAS = [isa for isa in (K.AVX2_INT8, K.AVX512_VNNI, K.NEON_DOT) if K.isa_available(isa)]
 
 
 def as_bytes(t: torch.Tensor) -> np.ndarray:
@@ -267,8 +267,9 @@ def _isa_report(value: str | None) -> subprocess.CompletedProcess:
 def test_mosaic_isa_caps_the_kernels_and_reports_a_bad_value():
     hardware = _isa_report(None).stdout.split()
     assert _isa_report("scalar").stdout.split() == [str(K.SCALAR), "None"]
-    if int(hardware[0]) >= K.AVX2:
+    if K.isa_available(K.AVX2):
         assert _isa_report("avx2").stdout.split() == [str(K.AVX2), str(K.AVX2_INT8)]
     bad = _isa_report("avx9000")
     assert bad.stdout.split() == hardware
-    assert "MOSAIC_ISA=avx9000 is not one of scalar, avx2, avx512; ignored" in bad.stderr
+    names = "scalar, neon" if K.isa_available(K.NEON) else "scalar, avx2, avx512"  # this build's architecture
+    assert f"MOSAIC_ISA=avx9000 is not one of {names}; ignored" in bad.stderr

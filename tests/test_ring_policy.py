@@ -4,7 +4,7 @@ never do worse than LRU at a larger ring, and never hand out a slot it was told 
 
 import numpy as np
 
-from mosaic_runtime.cache.policy import LRUPolicy, RoutingPolicy
+from mosaic_runtime.cache.policy import LRUPolicy, RingPolicy, RoutingPolicy
 
 LAYERS, EXPERTS, TOP_K = 8, 32, 4
 
@@ -77,3 +77,25 @@ def test_read_ahead_only_what_beats_what_it_displaces():
     policy.begin_step(token)
     policy.routed(0, sorted(routes[0].tolist()))
     assert policy.plan_ahead(1, set())
+
+
+def test_a_native_steps_bookkeeping_at_once_equals_it_layer_by_layer():
+    """ran_held (what the native decode step reports, every layer at once) leaves the policy exactly as
+    routed() and a lookup per expert, layer by layer, do: its learning, estimates and counters."""
+    whole = RoutingPolicy(LAYERS * EXPERTS, list(range(LAYERS)), EXPERTS, TOP_K)
+    stepwise = RoutingPolicy(LAYERS * EXPERTS, list(range(LAYERS)), EXPERTS, TOP_K)
+    for policy in (whole, stepwise):  # every record held, as when the native loop runs the experts
+        for layer in range(LAYERS):
+            for e in range(EXPERTS):
+                policy._hold((layer, e), policy.place((layer, e), set()))
+    for token, routes in synthetic_steps(200, seed=3):
+        experts = np.sort(routes, axis=1)
+        for policy in (whole, stepwise):
+            policy.begin_step(token)
+        whole.ran_held(list(range(LAYERS)), experts)
+        RingPolicy.ran_held(stepwise, list(range(LAYERS)), experts)  # the per-layer reference
+    for name in ("_value", "_stamp", "_co", "_seen", "_last", "_reuse", "_turns", "_step_routes"):
+        assert np.array_equal(getattr(whole, name), getattr(stepwise, name)), name
+    assert whole._recent().tolist() == stepwise._recent().tolist()
+    assert {k: (c.hits, c.misses) for k, c in whole.counters.items()} == \
+        {k: (c.hits, c.misses) for k, c in stepwise.counters.items()}

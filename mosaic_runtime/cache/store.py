@@ -123,6 +123,16 @@ class ExpertStore:
                 self._ahead.discard(slot)
                 self.io.ahead_used += 1
 
+    def ran_held(self, layers: list[int], experts: np.ndarray) -> None:
+        """A native decode step routed `layers` to experts[i] (ascending ids) and ran them from their held
+        records: routed() and used() for each layer, in layer order."""
+        self.policy.ran_held(layers, experts)
+        if self._ahead:
+            held = self.slot_table[np.asarray(layers)[:, None], experts].ravel().tolist()
+            for slot in self._ahead.intersection(held):
+                self._ahead.discard(slot)
+                self.io.ahead_used += 1
+
     def _place(self, key: tuple[int, int]) -> int:
         """A slot for key (policy.place); whatever it held before is no longer held."""
         excluded = self._pinned | self._reading.keys() if not self.policy.free else set()  # only evicting needs it
