@@ -67,12 +67,25 @@ def raw_write(path: Path, nbytes: int) -> float:
     return dt
 
 
-CONVERT = """
-import resource, sys, time
+def peak_rss() -> int:
+    """This process's peak resident set (VmHWM), in bytes. Not getrusage's ru_maxrss: Linux carries that
+    across execve, so a worker started by a large parent (one that just built a checkpoint) reports at
+    least the parent's size."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+CONVERT = f"""
+import sys, time
+sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+from benchmarks.convert_bench import peak_rss
 from mosaic_shatter.convert import convert
 t = time.perf_counter()
 convert(sys.argv[1], sys.argv[2], sys.argv[3], progress=False, force=True)
-print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+print(time.perf_counter() - t, peak_rss())
 """
 
 

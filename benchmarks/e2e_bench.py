@@ -18,15 +18,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.convert_bench import build_checkpoint, drop_caches  # noqa: E402
+from benchmarks.convert_bench import build_checkpoint, drop_caches, peak_rss  # noqa: E402
 from benchmarks.memlimit import run_worker  # noqa: E402
 
 PROMPT = [(17 * i + 5) % 8192 for i in range(32)]
 
 
 def worker(model: str, io: str, ram_budget: int | None, tokens: int, backbone: str = "bf16") -> None:
-    import resource
-
     from mosaic_runtime.engine import Engine
     engine = Engine.open(model, ram_budget=ram_budget, io=io, max_seq=256, precision="exact", backbone=backbone)
     out = list(engine.generate_ids(PROMPT, max_new_tokens=tokens))
@@ -39,7 +37,7 @@ def worker(model: str, io: str, ram_budget: int | None, tokens: int, backbone: s
         "bytes_read_per_token": s.bytes_read / (len(PROMPT) + len(out)),
         "active_expert_bytes": moe_layers * engine.arch["num_experts_per_tok"] * rec,
         "io_s": s.io_s, "kernel_s": s.kernel_s, "backbone_s": s.backbone_s,
-        "io_mode": engine.store.ring.mode, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "io_mode": engine.store.ring.mode, "peak_rss": peak_rss(),
     }))
 
 

@@ -13,7 +13,14 @@ import errno
 import os
 from dataclasses import replace
 
+from mosaic_runtime._native import io as native_io
 from mosaic_runtime.vault.format import IndexEntry, VaultHeader, crc32, pack_index
+
+
+def record_crc32(record) -> int:
+    """A record's CRC-32 through the native core (PCLMUL or ARMv8 CRC32: several times zlib's speed, the
+    same value), so the check costs the convert little next to its writes."""
+    return native_io.crc32(memoryview(record).cast("B"))
 
 
 class DiskFull(OSError):
@@ -68,7 +75,7 @@ class VaultWriter:
         taken = 0
         for i, crc in written.items():
             on_disk = os.pread(self.fd, self.header.record_bytes, self.record_offset(i)) if 0 <= i < len(self.crcs) else b""
-            if on_disk and crc32(on_disk) == crc:
+            if on_disk and record_crc32(on_disk) == crc:
                 self.crcs[i] = crc
                 taken += 1
         return taken
@@ -86,7 +93,7 @@ class VaultWriter:
         if len(record) != self.header.record_bytes:
             raise ValueError(f"record {i} has {len(record)} bytes, expected {self.header.record_bytes}")
         os.pwrite(self.fd, record, self.record_offset(i))
-        self.crcs[i] = crc32(record)
+        self.crcs[i] = record_crc32(record)
 
     def finish(self, arch: bytes, lineage: bytes) -> None:
         """Write index and metadata, then the header, then fsync. Lengths must match the plan."""
