@@ -44,21 +44,23 @@ test-asan: setup
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 $(BIN)/python -m pytest -q -p no:cacheprovider $(ASAN_TESTS)
 
 # The native core alone (no Python): native/tests/selftest.cpp holds every kernel of the build's ISAs to
-# the scalar reference. test-native runs it on this machine; test-arm cross-compiles it for AArch64
-# (Debian's g++-aarch64-linux-gnu) and runs it under qemu-user (qemu-aarch64), once as the default CPU
-# (NEON + dot product) and once as a Cortex-A53 (no dot product). qemu checks correctness, not speed.
+# the scalar reference, built with AddressSanitizer and UndefinedBehaviorSanitizer. test-native runs it on
+# this machine; test-arm cross-compiles it for AArch64 (Debian's g++-aarch64-linux-gnu) and runs it under
+# qemu-user (qemu-aarch64), once as the default CPU (NEON + dot product) and once as a Cortex-A53 (no dot
+# product); LeakSanitizer cannot run under qemu. qemu checks correctness, not speed.
 test-native:
 	mkdir -p build
-	cmake -S . -B build/selftest -DCMAKE_BUILD_TYPE=Release -DMOSAIC_PYTHON=OFF -DMOSAIC_SELFTEST=ON > build/selftest.log
+	cmake -S . -B build/selftest -DCMAKE_BUILD_TYPE=Release -DMOSAIC_PYTHON=OFF -DMOSAIC_SELFTEST=ON \
+		-DMOSAIC_SANITIZE=ON > build/selftest.log
 	cmake --build build/selftest --target selftest -j 2 >> build/selftest.log
 	build/selftest/selftest
 	MOSAIC_ISA=scalar build/selftest/selftest
 
-QEMU_ARM := qemu-aarch64 -L /usr/aarch64-linux-gnu
+QEMU_ARM := ASAN_OPTIONS=detect_leaks=0 qemu-aarch64 -L /usr/aarch64-linux-gnu
 test-arm:
 	mkdir -p build
 	cmake -S . -B build/aarch64 -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake -DCMAKE_BUILD_TYPE=Release \
-		-DMOSAIC_PYTHON=OFF -DMOSAIC_SELFTEST=ON > build/aarch64.log
+		-DMOSAIC_PYTHON=OFF -DMOSAIC_SELFTEST=ON -DMOSAIC_SANITIZE=ON > build/aarch64.log
 	cmake --build build/aarch64 --target selftest -j 2 >> build/aarch64.log
 	$(QEMU_ARM) build/aarch64/selftest
 	$(QEMU_ARM) -cpu cortex-a53 build/aarch64/selftest
