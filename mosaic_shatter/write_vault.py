@@ -13,14 +13,18 @@ import errno
 import os
 from dataclasses import replace
 
-from mosaic_runtime._native import io as native_io
 from mosaic_runtime.vault.format import IndexEntry, VaultHeader, crc32, pack_index
+
+try:  # a convert runs without the compiled extension, but uses it when built
+    from mosaic_runtime._native import io as native_io
+except ImportError:
+    native_io = None
 
 
 def record_crc32(record) -> int:
-    """A record's CRC-32 through the native core (PCLMUL or ARMv8 CRC32: several times zlib's speed, the
-    same value), so the check costs the convert little next to its writes."""
-    return native_io.crc32(memoryview(record).cast("B"))
+    """A record's CRC-32: through the native core where it is built (PCLMUL or ARMv8 CRC32, several times
+    zlib's speed, the same value), so the check costs the convert little next to its writes."""
+    return crc32(record) if native_io is None else native_io.crc32(memoryview(record).cast("B"))
 
 
 class DiskFull(OSError):
