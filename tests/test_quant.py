@@ -192,8 +192,8 @@ def test_native_fp8_encoder_writes_the_reference_bytes(rows, cols, threads, kind
     if quant._kernels is None:
         pytest.skip("the native extension is not built")
     w = encoder_weights(rows, cols, kind)
-    for given, exact in ((w, w), (w.to(torch.bfloat16), w.to(torch.bfloat16).float())):
-        got, want = quant.quantize_fp8(given, threads=threads), quant.quantize_fp8_reference(exact)
+    for stored, exact in ((w, w), (w.to(torch.bfloat16), w.to(torch.bfloat16).float())):
+        got, want = quant.quantize_fp8(stored, threads=threads), quant.quantize_fp8_reference(exact)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
