@@ -37,8 +37,8 @@ ASAN_TESTS := tests/test_kernels.py tests/test_attention.py tests/test_ring.py t
 	tests/test_quant.py
 test-asan: setup
 	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Release -DMOSAIC_SANITIZE=ON \
-		-DPython_EXECUTABLE=$(abspath $(BIN)/python) > $(ASAN_BUILD).log
-	cmake --build $(ASAN_BUILD) --target _native -j 2 >> $(ASAN_BUILD).log
+		-DPython_EXECUTABLE=$(abspath $(BIN)/python) > $(ASAN_BUILD).log 2>&1 || { tail -40 $(ASAN_BUILD).log; false; }
+	cmake --build $(ASAN_BUILD) --target _native -j 2 >> $(ASAN_BUILD).log 2>&1 || { tail -40 $(ASAN_BUILD).log; false; }
 	MOSAIC_NATIVE_MODULE=$$(ls $(abspath $(ASAN_BUILD))/_native*.so) \
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 $(BIN)/python -m pytest -q -p no:cacheprovider $(ASAN_TESTS)
@@ -51,8 +51,8 @@ test-asan: setup
 test-native:
 	mkdir -p build
 	cmake -S . -B build/selftest -DCMAKE_BUILD_TYPE=Release -DMOSAIC_PYTHON=OFF -DMOSAIC_SELFTEST=ON \
-		-DMOSAIC_SANITIZE=ON > build/selftest.log
-	cmake --build build/selftest --target selftest -j 2 >> build/selftest.log
+		-DMOSAIC_SANITIZE=ON > build/selftest.log 2>&1 || { tail -40 build/selftest.log; false; }
+	cmake --build build/selftest --target selftest -j 2 >> build/selftest.log 2>&1 || { tail -40 build/selftest.log; false; }
 	build/selftest/selftest
 	MOSAIC_ISA=scalar build/selftest/selftest
 
@@ -60,8 +60,9 @@ QEMU_ARM := ASAN_OPTIONS=detect_leaks=0 qemu-aarch64 -L /usr/aarch64-linux-gnu
 test-arm:
 	mkdir -p build
 	cmake -S . -B build/aarch64 -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake -DCMAKE_BUILD_TYPE=Release \
-		-DMOSAIC_PYTHON=OFF -DMOSAIC_SELFTEST=ON -DMOSAIC_SANITIZE=ON > build/aarch64.log
-	cmake --build build/aarch64 --target selftest -j 2 >> build/aarch64.log
+		-DMOSAIC_PYTHON=OFF -DMOSAIC_SELFTEST=ON -DMOSAIC_SANITIZE=ON > build/aarch64.log 2>&1 \
+		|| { tail -40 build/aarch64.log; false; }
+	cmake --build build/aarch64 --target selftest -j 2 >> build/aarch64.log 2>&1 || { tail -40 build/aarch64.log; false; }
 	$(QEMU_ARM) build/aarch64/selftest
 	$(QEMU_ARM) -cpu cortex-a53 build/aarch64/selftest
 
