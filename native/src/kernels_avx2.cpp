@@ -188,9 +188,28 @@ MOSAIC_AVX2 void quantise_x(const MatvecArgs& a, int pairs, int groups, Quantise
   }
 }
 
-// One row against one token's quantised x. Per 32 bytes of codes (two blocks): one load, the two nibble
-// masks, two vpmaddubsw, one add, one vpmaddwd, one convert, the scale permute and one FMA. Two
-// accumulators alternate so the FMA latency is not paid on every pair.
+// A group's kInt8Group block scales as floats (nb of them; the rest zero, never read past the row's last):
+// Q4's f16, or MXFP4's E8M0 byte moved into the exponent field, halved for the doubled codes.
+template <typename Codes, typename Scale>
+MOSAIC_AVX2 inline __m256 group_scales(const Scale* group, int nb) {
+  alignas(16) Scale tmp[kInt8Group] = {};
+  if (nb < kInt8Group) {
+    std::memcpy(tmp, group, sizeof(Scale) * nb);
+    group = tmp;
+  }
+  if constexpr (Codes::kMx) {
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(group)));
+    return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(e, 23)), _mm256_set1_ps(0.5f));
+  } else {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group)));
+  }
+}
+
+// One row against NT tokens' quantised x (a prefill's). Per 32 bytes of codes (two blocks): one load and
+// the two nibble masks, shared by the tokens, then per token two vpmaddubsw, one add, one vpmaddwd, one
+// convert, the scale permute and one FMA. One accumulator a token: the tokens' FMA chains interleave, and
+// fewer live registers keep them out of the stack (two a token spilled them, and the loop ran at a third
+// of its issue rate).
 template <int NT, typename Codes, typename Scale>
 MOSAIC_AVX2 void int8_row(const uint8_t* row, const Scale* rs, int blocks, int groups, const int8_t* q, size_t q_stride,
                           const float* sx, const float* off, size_t s_stride, float* y, int64_t ldy) {
@@ -198,28 +217,16 @@ MOSAIC_AVX2 void int8_row(const uint8_t* row, const Scale* rs, int blocks, int g
   // 2 * e2m1 + 12 by code, in each 128-bit lane for vpshufb
   const __m256i table = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
                                          12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
-  __m256 acc0[NT], acc1[NT];
-  for (int t = 0; t < NT; ++t) acc0[t] = acc1[t] = _mm256_setzero_ps();
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
   for (int g = 0; g < groups; ++g) {
     const int b0 = g * kInt8Group, nb = std::min(kInt8Group, blocks - b0);
     _mm_prefetch(reinterpret_cast<const char*>(rs + b0) + kInt8ScalePrefetch, _MM_HINT_T0);
-    const Scale* group = rs + b0;
-    alignas(16) Scale tmp[kInt8Group] = {};
-    if (nb < kInt8Group) {  // the row's last group: never read past its scales
-      std::memcpy(tmp, group, sizeof(Scale) * nb);
-      group = tmp;
-    }
-    __m256 d;
-    if constexpr (Codes::kMx) {  // E8M0: the byte into the exponent field, halved for the doubled codes
-      const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(group)));
-      d = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(e, 23)), _mm256_set1_ps(0.5f));
-    } else {
-      d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group)));
-    }
+    const __m256 d = group_scales<Codes>(rs + b0, nb);
     __m256 dsx[NT];
     for (int t = 0; t < NT; ++t) {
       dsx[t] = _mm256_mul_ps(d, _mm256_loadu_ps(sx + t * s_stride + b0));
-      acc1[t] = _mm256_fnmadd_ps(d, _mm256_loadu_ps(off + t * s_stride + b0), acc1[t]);
+      acc[t] = _mm256_fnmadd_ps(d, _mm256_loadu_ps(off + t * s_stride + b0), acc[t]);
     }
     for (int k = 0; 2 * k < nb; ++k) {
       const int p = b0 / 2 + k;
@@ -236,13 +243,11 @@ MOSAIC_AVX2 void int8_row(const uint8_t* row, const Scale* rs, int blocks, int g
         const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qt + 32));
         const __m256i pairs16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, ql), _mm256_maddubs_epi16(hi, qh));
         const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs16, ones));
-        const __m256 scale = _mm256_permutevar8x32_ps(dsx[t], lanes);
-        if (k & 1) acc1[t] = _mm256_fmadd_ps(dot, scale, acc1[t]);
-        else acc0[t] = _mm256_fmadd_ps(dot, scale, acc0[t]);
+        acc[t] = _mm256_fmadd_ps(dot, _mm256_permutevar8x32_ps(dsx[t], lanes), acc[t]);
       }
     }
   }
-  for (int t = 0; t < NT; ++t) y[t * ldy] = reduce(_mm256_add_ps(acc0[t], acc1[t]));
+  for (int t = 0; t < NT; ++t) y[t * ldy] = reduce(acc[t]);
 }
 
 // One row against one token (a decode step): int8_row's loop for one token, kept apart because the compiler
@@ -296,7 +301,7 @@ MOSAIC_AVX2 float int8_row_one(const uint8_t* row, const Scale* rs, int blocks, 
 }
 
 // Tokens a prefill step shares a row's unpacked codes among: two keep every accumulator in the 16 registers.
-constexpr int kInt8Tokens = 2;
+constexpr int kInt8Tokens = 4;
 
 // Q4 (f16 scales) or MXFP4 (E8M0 scales) against int8 activations.
 template <typename Codes, typename Scale>
@@ -318,8 +323,12 @@ MOSAIC_AVX2 void int8_matvec(const MatvecArgs& a) {
       const int8_t* q = qx.q.data() + t * q_stride;
       const float *sx = qx.sx.data() + t * s_stride, *off = qx.off.data() + t * s_stride;
       float* y = a.y + static_cast<uint64_t>(t) * a.ldy + r;
-      if (a.n - t >= kInt8Tokens) int8_row<kInt8Tokens, Codes>(row, rs, blocks, groups, q, q_stride, sx, off, s_stride, y, a.ldy);
-      else int8_row<1, Codes>(row, rs, blocks, groups, q, q_stride, sx, off, s_stride, y, a.ldy);
+      switch (std::min(kInt8Tokens, a.n - t)) {
+        case 4: int8_row<4, Codes>(row, rs, blocks, groups, q, q_stride, sx, off, s_stride, y, a.ldy); break;
+        case 3: int8_row<3, Codes>(row, rs, blocks, groups, q, q_stride, sx, off, s_stride, y, a.ldy); break;
+        case 2: int8_row<2, Codes>(row, rs, blocks, groups, q, q_stride, sx, off, s_stride, y, a.ldy); break;
+        default: int8_row<1, Codes>(row, rs, blocks, groups, q, q_stride, sx, off, s_stride, y, a.ldy);
+      }
     }
   }
 }
