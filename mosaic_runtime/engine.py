@@ -285,11 +285,12 @@ class Engine:
         if self.store is not None:
             self.store.finish_preload()
 
-    def _forward(self, ids, start: int) -> torch.Tensor:
-        """The model's float32 logits [T, V] on the CPU; on CUDA the step's own tensors are made there."""
+    def _forward(self, ids, start: int, last_only: bool = False) -> torch.Tensor:
+        """The model's float32 logits [T, V] on the CPU ([1, V], the last position's, with last_only); on
+        CUDA the step's own tensors are made there."""
         with torch.device(self.device) if self.device is not None else contextlib.nullcontext(), \
                 using_threads(self.threads):
-            return self.model.forward(torch.as_tensor(ids, dtype=torch.long), start).cpu()
+            return self.model.forward(torch.as_tensor(ids, dtype=torch.long), start, last_only).cpu()
 
     @contextlib.contextmanager
     def _held(self):
@@ -395,7 +396,7 @@ class Engine:
             if at and cancelled is not None and cancelled():
                 return
             self._relieve()
-            logits = self._forward(ids[at:at + PREFILL_CHUNK], cached + at)[-1]
+            logits = self._forward(ids[at:at + PREFILL_CHUNK], cached + at, last_only=True)[-1]
         for n in range(max_new_tokens):
             token = sample(logits, temperature, top_p, top_k, gen)
             s.new_tokens += 1

@@ -326,6 +326,25 @@ def test_sliding_window_layers_keep_only_their_window(vaults):
         engine.model.forward(torch.tensor([1]), state.length - WINDOW_SLACK - 2)
 
 
+@pytest.mark.parametrize("case", ["qwen3_moe", "gpt_oss"])
+def test_a_prefill_for_its_last_logits_computes_the_head_once(vaults, case, monkeypatch):
+    """forward(last_only=True), what a prefill before sampling asks, gives the full pass's last row and runs
+    the head on one row, not the prompt's; gpt-oss's prompt is past its window ring, so it goes through the
+    ring-sized steps."""
+    _, out = vaults(case, "q4", CASES[case].layouts[0])
+    n = 2 * (24 + WINDOW_SLACK) + 40 if case == "gpt_oss" else 150
+    model = Engine.open(out, max_seq=n + 8, precision="exact").model
+    ids = torch.tensor([(37 * i + 11) % 320 for i in range(n)])
+    full = model.forward(ids, 0)
+    import mosaic_runtime.models.decoder as decoder
+    head_rows, lm_head, real_linear = [], model.weights.lm_head, decoder.linear
+    monkeypatch.setattr(decoder, "linear",
+                        lambda x, w, *a: (head_rows.append(x.shape[0]) if w is lm_head else None) or real_linear(x, w, *a))
+    last = model.forward(ids, 0, last_only=True)
+    assert last.shape == (1, full.shape[1]) and torch.equal(last[0], full[-1])
+    assert head_rows == ([1] if case != "gpt_oss" else [1, 1, 1])  # one row a ring-sized step
+
+
 def test_an_mxfp4_scale_of_nan_is_refused_by_expert(vaults, tmp_path):
     """E8M0 255 is NaN: a release holding one converts to no vault, and the error names the expert."""
     from safetensors.torch import load_file, save_file

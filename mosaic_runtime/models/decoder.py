@@ -146,8 +146,10 @@ class Decoder:
         return y
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, start: int, last_only: bool = False) -> torch.Tensor:
         """Logits [T, V] (float32) of tokens ids [T] at positions start..start+T-1; extends the state.
+        last_only: the last position's alone, [1, V] (a prefill that only samples what follows it skips the
+        head's T - 1 other rows: at Qwen3-30B's vocabulary that is most of a 16k-token prompt's head time).
 
         start 0 starts afresh. A model with a recurrent (DeltaNet) state continues from exactly the tokens
         it holds (start == state.length); a KV cache alone may also be cut back (start < length). A decode
@@ -162,8 +164,9 @@ class Decoder:
             raise ValueError(f"context of {start + t} tokens exceeds the KV cache ({state.max_seq}); "
                              "open the engine with a larger max_seq")
         if state.max_step is not None and t > state.max_step:  # a window ring takes so many a step
-            return torch.cat([self.forward(ids[at:at + state.max_step], start + at)
-                              for at in range(0, t, state.max_step)])
+            parts = [self.forward(ids[at:at + state.max_step], start + at, last_only)
+                     for at in range(0, t, state.max_step)]
+            return parts[-1] if last_only else torch.cat(parts)
         self.experts.begin_step(int(ids[0]) if t == 1 else None)
         if t == 1 and self.use_native_decode:
             logits = self.native.step(int(ids[0]), start)
@@ -184,4 +187,6 @@ class Decoder:
                 x = x + self.delta_net(layer.mixer, w.mixer, state.slot[i], h)
             x = x + self.ffn(i, layer.ffn, w.ffn, rms_norm(x, w.post_norm, eps))
         state.length = start + t
+        if last_only:
+            x = x[-1:]
         return linear(rms_norm(x, self.weights.final_norm, eps), self.weights.lm_head).float()
