@@ -302,6 +302,7 @@ MOSAIC_AVX2 float int8_row_one(const uint8_t* row, const Scale* rs, int blocks, 
 
 // Tokens a prefill step shares a row's unpacked codes among: two keep every accumulator in the 16 registers.
 constexpr int kInt8Tokens = 4;
+constexpr size_t kInt8BlockBytes = 128 << 10;  // quantised activations a prefill's row pass reads
 
 // Q4 (f16 scales) or MXFP4 (E8M0 scales) against int8 activations.
 template <typename Codes, typename Scale>
@@ -311,23 +312,32 @@ MOSAIC_AVX2 void int8_matvec(const MatvecArgs& a) {
   const int groups = (blocks + kInt8Group - 1) / kInt8Group;
   quantise_x<Codes>(a, pairs, groups, qx);
   const auto* scales = static_cast<const Scale*>(a.scales);
-  for (int r = 0; r < a.rows; ++r) {
-    const uint8_t* row = a.codes + static_cast<uint64_t>(r) * blocks * kQ4Bytes;
-    const Scale* rs = scales + static_cast<uint64_t>(r) * blocks;
-    const size_t q_stride = static_cast<size_t>(pairs) * 64, s_stride = static_cast<size_t>(groups) * kInt8Group;
-    if (a.n == 1) {
-      a.y[r] = int8_row_one<Codes>(row, rs, blocks, groups, qx.q.data(), qx.sx.data(), qx.off.data());
-      continue;
-    }
-    for (int t = 0; t < a.n; t += kInt8Tokens) {  // a prefill's tokens share each row's unpacked codes
-      const int8_t* q = qx.q.data() + t * q_stride;
-      const float *sx = qx.sx.data() + t * s_stride, *off = qx.off.data() + t * s_stride;
-      float* y = a.y + static_cast<uint64_t>(t) * a.ldy + r;
-      switch (std::min(kInt8Tokens, a.n - t)) {
-        case 4: int8_row<4, Codes>(row, rs, blocks, groups, q, q_stride, sx, off, s_stride, y, a.ldy); break;
-        case 3: int8_row<3, Codes>(row, rs, blocks, groups, q, q_stride, sx, off, s_stride, y, a.ldy); break;
-        case 2: int8_row<2, Codes>(row, rs, blocks, groups, q, q_stride, sx, off, s_stride, y, a.ldy); break;
-        default: int8_row<1, Codes>(row, rs, blocks, groups, q, q_stride, sx, off, s_stride, y, a.ldy);
+  if (a.n == 1) {
+    for (int r = 0; r < a.rows; ++r)
+      a.y[r] = int8_row_one<Codes>(a.codes + static_cast<uint64_t>(r) * blocks * kQ4Bytes,
+                                   scales + static_cast<uint64_t>(r) * blocks, blocks, groups, qx.q.data(),
+                                   qx.sx.data(), qx.off.data());
+    return;
+  }
+  // A prefill: the tokens in blocks whose quantised activations stay in L2 (each row's pass reads all of a
+  // block's; 512 tokens' are a megabyte), every row against one block before the next.
+  const size_t q_stride = static_cast<size_t>(pairs) * 64, s_stride = static_cast<size_t>(groups) * kInt8Group;
+  const int block = std::max(kInt8Tokens, static_cast<int>(kInt8BlockBytes / q_stride) / kInt8Tokens * kInt8Tokens);
+  for (int t0 = 0; t0 < a.n; t0 += block) {
+    const int t1 = std::min(a.n, t0 + block);
+    for (int r = 0; r < a.rows; ++r) {
+      const uint8_t* row = a.codes + static_cast<uint64_t>(r) * blocks * kQ4Bytes;
+      const Scale* rs = scales + static_cast<uint64_t>(r) * blocks;
+      for (int t = t0; t < t1; t += kInt8Tokens) {  // the tokens share each row's unpacked codes
+        const int8_t* q = qx.q.data() + t * q_stride;
+        const float *sx = qx.sx.data() + t * s_stride, *off = qx.off.data() + t * s_stride;
+        float* y = a.y + static_cast<uint64_t>(t) * a.ldy + r;
+        switch (std::min(kInt8Tokens, t1 - t)) {
+          case 4: int8_row<4, Codes>(row, rs, blocks, groups, q, q_stride, sx, off, s_stride, y, a.ldy); break;
+          case 3: int8_row<3, Codes>(row, rs, blocks, groups, q, q_stride, sx, off, s_stride, y, a.ldy); break;
+          case 2: int8_row<2, Codes>(row, rs, blocks, groups, q, q_stride, sx, off, s_stride, y, a.ldy); break;
+          default: int8_row<1, Codes>(row, rs, blocks, groups, q, q_stride, sx, off, s_stride, y, a.ldy);
+        }
       }
     }
   }

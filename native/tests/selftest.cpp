@@ -4,11 +4,13 @@
 // (tests/test_kernels.py and others) hold the same kernels to torch on the machine that runs them.
 // Prints one line per check that fails and a summary; exits 1 when any failed.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "mosaic/crc32.h"
@@ -135,40 +137,43 @@ Matrix random_matrix(QuantType quant, int rows, int cols) {
 
 void check_matvec() {
   const QuantType quants[] = {QuantType::Q4_G32, QuantType::FP8_B128, QuantType::MXFP4_G32};
-  const int shapes[][2] = {{1, 32}, {3, 40}, {17, 96}, {33, 257}, {130, 200}, {8, 1000}};
+  // {rows, cols, tokens}: every remainder of the int8 loops' token tiles, and (8200 columns, 37 tokens) a
+  // prefill whose activations span several of the AVX2 loop's L2-sized token blocks
+  std::vector<std::array<int, 3>> cases;
+  for (auto [rows, cols] : {std::pair{1, 32}, {3, 40}, {17, 96}, {33, 257}, {130, 200}, {8, 1000}})
+    for (int n : {1, 2, 3, 5, 7}) cases.push_back({rows, cols, n});
+  cases.push_back({9, 8200, 37});
   for (Isa isa : isas_under_test())
     for (QuantType quant : quants)
-      for (const auto& shape : shapes)
-        for (int n : {1, 2, 3, 5, 7}) {  // every remainder of the int8 loops' token tiles
-          const int rows = shape[0], cols = shape[1];
-          const Matrix m = random_matrix(quant, rows, cols);
-          const int ldx = cols + 3, ldy = rows + 1;  // strides past the data, as the drivers pass them
-          const std::vector<float> x = floats(static_cast<size_t>(n) * ldx);
-          std::vector<float> want(static_cast<size_t>(n) * ldy, 0.f), got(want.size(), 0.f), bound(want.size(), 1e-6f);
-          MatvecArgs args{m.codes.data(), m.scales.data(), m.dtype, rows, cols, x.data(), ldx, n, want.data(), ldy};
-          kernels_for(Isa::Scalar).of(quant)(args);
-          args.y = got.data();
-          kernels_for(isa).of(quant)(args);
-          for (int t = 0; t < n; ++t)
-            for (int r = 0; r < rows; ++r) {
-              double abs_sum = 0, amax_sum = 0;  // sum |w x|; sum over blocks of |w|_1 * amax(x block)
-              for (int b = 0; b * 32 < cols; ++b) {
-                double wsum = 0, amax = 0;
-                for (int c = b * 32; c < std::min(cols, b * 32 + 32); ++c) {
-                  const double w = m.dequant[static_cast<size_t>(r) * cols + c], xc = x[static_cast<size_t>(t) * ldx + c];
-                  abs_sum += std::fabs(w * xc);
-                  wsum += std::fabs(w);
-                  amax = std::max(amax, std::fabs(xc));
-                }
-                amax_sum += wsum * amax;
+      for (const auto& [rows, cols, n] : cases) {
+        const Matrix m = random_matrix(quant, rows, cols);
+        const int ldx = cols + 3, ldy = rows + 1;  // strides past the data, as the drivers pass them
+        const std::vector<float> x = floats(static_cast<size_t>(n) * ldx);
+        std::vector<float> want(static_cast<size_t>(n) * ldy, 0.f), got(want.size(), 0.f), bound(want.size(), 1e-6f);
+        MatvecArgs args{m.codes.data(), m.scales.data(), m.dtype, rows, cols, x.data(), ldx, n, want.data(), ldy};
+        kernels_for(Isa::Scalar).of(quant)(args);
+        args.y = got.data();
+        kernels_for(isa).of(quant)(args);
+        for (int t = 0; t < n; ++t)
+          for (int r = 0; r < rows; ++r) {
+            double abs_sum = 0, amax_sum = 0;  // sum |w x|; sum over blocks of |w|_1 * amax(x block)
+            for (int b = 0; b * 32 < cols; ++b) {
+              double wsum = 0, amax = 0;
+              for (int c = b * 32; c < std::min(cols, b * 32 + 32); ++c) {
+                const double w = m.dequant[static_cast<size_t>(r) * cols + c], xc = x[static_cast<size_t>(t) * ldx + c];
+                abs_sum += std::fabs(w * xc);
+                wsum += std::fabs(w);
+                amax = std::max(amax, std::fabs(xc));
               }
-              // int8: each activation off by at most half a step (amax / 254) of its block
-              const double b = 1e-5 * abs_sum + (int8_activations(isa) ? amax_sum / 254.0 * 1.01 : 0.0) + 1e-6;
-              bound[static_cast<size_t>(t) * ldy + r] = static_cast<float>(b);
+              amax_sum += wsum * amax;
             }
-          compare(got, want, bound, where(quant == QuantType::Q4_G32 ? "q4" : quant == QuantType::FP8_B128 ? "fp8" : "mxfp4",
-                                          isa, rows, cols, n));
-        }
+            // int8: each activation off by at most half a step (amax / 254) of its block
+            const double b = 1e-5 * abs_sum + (int8_activations(isa) ? amax_sum / 254.0 * 1.01 : 0.0) + 1e-6;
+            bound[static_cast<size_t>(t) * ldy + r] = static_cast<float>(b);
+          }
+        compare(got, want, bound, where(quant == QuantType::Q4_G32 ? "q4" : quant == QuantType::FP8_B128 ? "fp8" : "mxfp4",
+                                        isa, rows, cols, n));
+      }
 }
 
 // --- a whole MoE layer through the driver, on 1 and 2 threads --------------------------------------
