@@ -351,6 +351,7 @@ MOSAIC_VNNI inline void int8_row_tokens(const uint8_t* row, const void* rs_base,
 
 // Tokens a prefill step shares a row's unpacked codes among (int8_row_tokens).
 constexpr int kVnniTokens = 4;
+constexpr size_t kVnniBlockBytes = 128 << 10;  // quantised activations a prefill's row pass reads
 
 // Rows per step. Two shared the activation loads and ran 1.1x one row while the scales' misses stalled the
 // loop; with the scales prefetched one row is 1.07x two (the same A/B).
@@ -373,18 +374,24 @@ MOSAIC_VNNI void int8_matvec(const MatvecArgs& a) {
   const float *sx0 = qx.sx.data(), *off0 = qx.off.data();
   const size_t q_stride = static_cast<size_t>(quads) * 128, s_stride = static_cast<size_t>(groups) * kGroup;
   if (a.n > 1) {  // a prefill: each row's codes unpacked once for kVnniTokens tokens at a time
-    for (int r = 0; r < a.rows; ++r) {
-      const uint8_t* row = a.codes + static_cast<uint64_t>(r) * blocks * kQ4Bytes;
-      const auto* rs = scales + static_cast<uint64_t>(r) * blocks;
-      for (int t = 0; t < a.n; t += kVnniTokens) {
-        const int8_t* q = q0 + t * q_stride;
-        const float *sx = sx0 + t * s_stride, *off = off0 + t * s_stride;
-        float* y = a.y + static_cast<uint64_t>(t) * a.ldy + r;
-        switch (std::min(kVnniTokens, a.n - t)) {
-          case 4: int8_row_tokens<4, Codes>(row, rs, blocks, groups, q, q_stride, sx, off, s_stride, lane_block, y, a.ldy); break;
-          case 3: int8_row_tokens<3, Codes>(row, rs, blocks, groups, q, q_stride, sx, off, s_stride, lane_block, y, a.ldy); break;
-          case 2: int8_row_tokens<2, Codes>(row, rs, blocks, groups, q, q_stride, sx, off, s_stride, lane_block, y, a.ldy); break;
-          default: int8_row_tokens<1, Codes>(row, rs, blocks, groups, q, q_stride, sx, off, s_stride, lane_block, y, a.ldy);
+    // The tokens in blocks whose quantised activations stay in L2 (each row's pass reads all of a block's;
+    // 512 tokens' are a megabyte), every row against one block before the next.
+    const int block = std::max(kVnniTokens, static_cast<int>(kVnniBlockBytes / q_stride) / kVnniTokens * kVnniTokens);
+    for (int t0 = 0; t0 < a.n; t0 += block) {
+      const int t1 = std::min(a.n, t0 + block);
+      for (int r = 0; r < a.rows; ++r) {
+        const uint8_t* row = a.codes + static_cast<uint64_t>(r) * blocks * kQ4Bytes;
+        const auto* rs = scales + static_cast<uint64_t>(r) * blocks;
+        for (int t = t0; t < t1; t += kVnniTokens) {
+          const int8_t* q = q0 + t * q_stride;
+          const float *sx = sx0 + t * s_stride, *off = off0 + t * s_stride;
+          float* y = a.y + static_cast<uint64_t>(t) * a.ldy + r;
+          switch (std::min(kVnniTokens, t1 - t)) {
+            case 4: int8_row_tokens<4, Codes>(row, rs, blocks, groups, q, q_stride, sx, off, s_stride, lane_block, y, a.ldy); break;
+            case 3: int8_row_tokens<3, Codes>(row, rs, blocks, groups, q, q_stride, sx, off, s_stride, lane_block, y, a.ldy); break;
+            case 2: int8_row_tokens<2, Codes>(row, rs, blocks, groups, q, q_stride, sx, off, s_stride, lane_block, y, a.ldy); break;
+            default: int8_row_tokens<1, Codes>(row, rs, blocks, groups, q, q_stride, sx, off, s_stride, lane_block, y, a.ldy);
+          }
         }
       }
     }
