@@ -9,6 +9,7 @@
 
 #include "mosaic/kernels.h"
 
+#include "prefill_blocks.h"
 #include "simd_avx2.h"
 
 namespace mosaic {
@@ -27,14 +28,33 @@ MOSAIC_AVX2 inline __m256 widen8(__m128i bytes, __m256 d) {  // 8 nibble codes -
   return _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), _mm256_set1_ps(8.f)), d);
 }
 
-MOSAIC_AVX2 void q4_avx2(const MatvecArgs& a) {
+// 8 E2M1 codes (one a byte) as floats: the magnitude through an 8-entry table, the sign bit moved to bit 31.
+MOSAIC_AVX2 inline __m256 e2m1x8(__m128i codes, __m256 lut) {
+  const __m256i c = _mm256_cvtepu8_epi32(codes);
+  const __m256 mag = _mm256_permutevar8x32_ps(lut, c);  // uses the low 3 bits
+  return _mm256_xor_ps(mag, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(c, 3), 31)));
+}
+
+// A block's scale: Q4's f16 or MXFP4's E8M0.
+template <bool Mx>
+MOSAIC_AVX2 inline float block_scale(const void* scales, uint64_t i) {
+  if constexpr (Mx) return e8m0_to_f32(static_cast<const uint8_t*>(scales)[i]);
+  else return _cvtsh_ss(static_cast<const uint16_t*>(scales)[i]);
+}
+
+// Q4 and MXFP4 in float: a block's 32 codes widened to floats 8 at a time in element order, times the
+// block's scale (Q4: f16, d * (q - 8), byte j holding elements j and j + 16; MXFP4: E8M0 times E2M1, byte j
+// holding elements 2j and 2j + 1), against up to four tokens; the partial last block through the
+// reference's arithmetic.
+template <bool Mx>
+MOSAIC_AVX2 void nibble_avx2(const MatvecArgs& a) {
   const int blocks = (a.cols + kQ4 - 1) / kQ4;
   const int whole = a.cols / kQ4;
-  const auto* scales = static_cast<const uint16_t*>(a.scales);
+  const __m256 lut = _mm256_loadu_ps(kE2m1);
   const __m128i low4 = _mm_set1_epi8(0x0F);
   for (int r = 0; r < a.rows; ++r) {
     const uint8_t* row = a.codes + static_cast<uint64_t>(r) * blocks * kQ4Bytes;
-    const uint16_t* rs = scales + static_cast<uint64_t>(r) * blocks;
+    const uint64_t s0 = static_cast<uint64_t>(r) * blocks;
     for (int t0 = 0; t0 < a.n; t0 += kTokTile) {
       const int nt = std::min(kTokTile, a.n - t0);
       __m256 acc[kTokTile] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -42,15 +62,19 @@ MOSAIC_AVX2 void q4_avx2(const MatvecArgs& a) {
         if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + b * 16 + kPrefetch), _MM_HINT_T0);
         const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
         const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
-        const __m256 d = _mm256_set1_ps(_cvtsh_ss(rs[b]));
-        const __m256 w0 = widen8(lo, d), w1 = widen8(_mm_srli_si128(lo, 8), d);
-        const __m256 w2 = widen8(hi, d), w3 = widen8(_mm_srli_si128(hi, 8), d);
+        const __m256 d = _mm256_set1_ps(block_scale<Mx>(a.scales, s0 + b));
+        __m256 w[4];
+        if constexpr (Mx) {
+          const __m128i e0 = _mm_unpacklo_epi8(lo, hi), e1 = _mm_unpackhi_epi8(lo, hi);  // elements 0-15, 16-31
+          w[0] = _mm256_mul_ps(e2m1x8(e0, lut), d), w[1] = _mm256_mul_ps(e2m1x8(_mm_srli_si128(e0, 8), lut), d);
+          w[2] = _mm256_mul_ps(e2m1x8(e1, lut), d), w[3] = _mm256_mul_ps(e2m1x8(_mm_srli_si128(e1, 8), lut), d);
+        } else {
+          w[0] = widen8(lo, d), w[1] = widen8(_mm_srli_si128(lo, 8), d);
+          w[2] = widen8(hi, d), w[3] = widen8(_mm_srli_si128(hi, 8), d);
+        }
         for (int t = 0; t < nt; ++t) {
           const float* x = a.x + static_cast<uint64_t>(t0 + t) * a.ldx + b * kQ4;
-          acc[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), acc[t]);
-          acc[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), acc[t]);
-          acc[t] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x + 16), acc[t]);
-          acc[t] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x + 24), acc[t]);
+          for (int j = 0; j < 4; ++j) acc[t] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(x + 8 * j), acc[t]);
         }
       }
       for (int t = 0; t < nt; ++t) {
@@ -58,11 +82,8 @@ MOSAIC_AVX2 void q4_avx2(const MatvecArgs& a) {
         if (whole < blocks) {  // the partial last block
           const float* x = a.x + static_cast<uint64_t>(t0 + t) * a.ldx + whole * kQ4;
           const uint8_t* p = row + whole * 16;
-          const float d = f16_to_f32(rs[whole]);
-          float part = 0.f;
-          for (int j = 0; j < a.cols - whole * kQ4; ++j)
-            part += (static_cast<float>(j < 16 ? (p[j] & 0xF) : (p[j - 16] >> 4)) - 8.f) * x[j];
-          s += d * part;
+          const int len = a.cols - whole * kQ4;
+          s += block_scale<Mx>(a.scales, s0 + whole) * (Mx ? mxfp4_partial_dot(p, x, len) : q4_partial_dot(p, x, len));
         }
         a.y[static_cast<uint64_t>(t0 + t) * a.ldy + r] = s;
       }
@@ -302,7 +323,6 @@ MOSAIC_AVX2 float int8_row_one(const uint8_t* row, const Scale* rs, int blocks, 
 
 // Tokens a prefill step shares a row's unpacked codes among: two keep every accumulator in the 16 registers.
 constexpr int kInt8Tokens = 4;
-constexpr size_t kInt8BlockBytes = 128 << 10;  // quantised activations a prefill's row pass reads
 
 // Q4 (f16 scales) or MXFP4 (E8M0 scales) against int8 activations.
 template <typename Codes, typename Scale>
@@ -319,10 +339,9 @@ MOSAIC_AVX2 void int8_matvec(const MatvecArgs& a) {
                                    qx.sx.data(), qx.off.data());
     return;
   }
-  // A prefill: the tokens in blocks whose quantised activations stay in L2 (each row's pass reads all of a
-  // block's; 512 tokens' are a megabyte), every row against one block before the next.
+  // A prefill: the tokens in blocks whose quantised activations stay in L2 (prefill_blocks.h).
   const size_t q_stride = static_cast<size_t>(pairs) * 64, s_stride = static_cast<size_t>(groups) * kInt8Group;
-  const int block = std::max(kInt8Tokens, static_cast<int>(kInt8BlockBytes / q_stride) / kInt8Tokens * kInt8Tokens);
+  const int block = detail::prefill_token_block(q_stride, kInt8Tokens);
   for (int t0 = 0; t0 < a.n; t0 += block) {
     const int t1 = std::min(a.n, t0 + block);
     for (int r = 0; r < a.rows; ++r) {
@@ -346,61 +365,9 @@ MOSAIC_AVX2 void int8_matvec(const MatvecArgs& a) {
 MOSAIC_AVX2 void q4_avx2_int8(const MatvecArgs& a) { int8_matvec<Q4Codes, uint16_t>(a); }
 MOSAIC_AVX2 void mxfp4_avx2_int8(const MatvecArgs& a) { int8_matvec<Mxfp4Codes, uint8_t>(a); }
 
-// 8 E2M1 codes (one a byte) as floats: the magnitude through an 8-entry table, the sign bit moved to bit 31.
-MOSAIC_AVX2 inline __m256 e2m1x8(__m128i codes, __m256 lut) {
-  const __m256i c = _mm256_cvtepu8_epi32(codes);
-  const __m256 mag = _mm256_permutevar8x32_ps(lut, c);  // uses the low 3 bits
-  return _mm256_xor_ps(mag, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(c, 3), 31)));
-}
-
-// MXFP4 in float: a block's 32 codes (byte j: elements 2j and 2j + 1) widened 8 at a time, times the
-// block's power-of-two scale; the partial last block through the reference's arithmetic.
-MOSAIC_AVX2 void mxfp4_avx2(const MatvecArgs& a) {
-  const int blocks = (a.cols + kMxfp4 - 1) / kMxfp4;
-  const int whole = a.cols / kMxfp4;
-  const auto* scales = static_cast<const uint8_t*>(a.scales);
-  const __m256 lut = _mm256_loadu_ps(kE2m1);
-  const __m128i low4 = _mm_set1_epi8(0x0F);
-  for (int r = 0; r < a.rows; ++r) {
-    const uint8_t* row = a.codes + static_cast<uint64_t>(r) * blocks * kQ4Bytes;
-    const uint8_t* rs = scales + static_cast<uint64_t>(r) * blocks;
-    for (int t0 = 0; t0 < a.n; t0 += kTokTile) {
-      const int nt = std::min(kTokTile, a.n - t0);
-      __m256 acc[kTokTile] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-      for (int b = 0; b < whole; ++b) {
-        if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(row + b * 16 + kPrefetch), _MM_HINT_T0);
-        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
-        const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
-        const __m128i e0 = _mm_unpacklo_epi8(lo, hi), e1 = _mm_unpackhi_epi8(lo, hi);  // elements 0-15, 16-31
-        const __m256 d = _mm256_set1_ps(e8m0_to_f32(rs[b]));
-        const __m256 w0 = _mm256_mul_ps(e2m1x8(e0, lut), d), w1 = _mm256_mul_ps(e2m1x8(_mm_srli_si128(e0, 8), lut), d);
-        const __m256 w2 = _mm256_mul_ps(e2m1x8(e1, lut), d), w3 = _mm256_mul_ps(e2m1x8(_mm_srli_si128(e1, 8), lut), d);
-        for (int t = 0; t < nt; ++t) {
-          const float* x = a.x + static_cast<uint64_t>(t0 + t) * a.ldx + b * kMxfp4;
-          acc[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), acc[t]);
-          acc[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), acc[t]);
-          acc[t] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x + 16), acc[t]);
-          acc[t] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x + 24), acc[t]);
-        }
-      }
-      for (int t = 0; t < nt; ++t) {
-        float s = reduce(acc[t]);
-        if (whole < blocks) {  // the partial last block
-          const float* x = a.x + static_cast<uint64_t>(t0 + t) * a.ldx + whole * kMxfp4;
-          const uint8_t* p = row + whole * 16;
-          float part = 0.f;
-          for (int j = 0; j < a.cols - whole * kMxfp4; ++j) part += kE2m1[(p[j / 2] >> (4 * (j & 1))) & 0xF] * x[j];
-          s += e8m0_to_f32(rs[whole]) * part;
-        }
-        a.y[static_cast<uint64_t>(t0 + t) * a.ldy + r] = s;
-      }
-    }
-  }
-}
-
 }  // namespace
 
-IsaKernels avx2_kernels() { return {q4_avx2, fp8_avx2, mxfp4_avx2}; }
+IsaKernels avx2_kernels() { return {nibble_avx2<false>, fp8_avx2, nibble_avx2<true>}; }
 IsaKernels avx2_int8_kernels() { return {q4_avx2_int8, fp8_avx2, mxfp4_avx2_int8}; }
 
 }  // namespace mosaic

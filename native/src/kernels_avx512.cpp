@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "mosaic/kernels.h"
+#include "prefill_blocks.h"
 #include "simd_avx512.h"
 
 
@@ -351,7 +352,6 @@ MOSAIC_VNNI inline void int8_row_tokens(const uint8_t* row, const void* rs_base,
 
 // Tokens a prefill step shares a row's unpacked codes among (int8_row_tokens).
 constexpr int kVnniTokens = 4;
-constexpr size_t kVnniBlockBytes = 128 << 10;  // quantised activations a prefill's row pass reads
 
 // Rows per step. Two shared the activation loads and ran 1.1x one row while the scales' misses stalled the
 // loop; with the scales prefetched one row is 1.07x two (the same A/B).
@@ -374,9 +374,8 @@ MOSAIC_VNNI void int8_matvec(const MatvecArgs& a) {
   const float *sx0 = qx.sx.data(), *off0 = qx.off.data();
   const size_t q_stride = static_cast<size_t>(quads) * 128, s_stride = static_cast<size_t>(groups) * kGroup;
   if (a.n > 1) {  // a prefill: each row's codes unpacked once for kVnniTokens tokens at a time
-    // The tokens in blocks whose quantised activations stay in L2 (each row's pass reads all of a block's;
-    // 512 tokens' are a megabyte), every row against one block before the next.
-    const int block = std::max(kVnniTokens, static_cast<int>(kVnniBlockBytes / q_stride) / kVnniTokens * kVnniTokens);
+    // The tokens in blocks whose quantised activations stay in L2 (prefill_blocks.h).
+    const int block = detail::prefill_token_block(q_stride, kVnniTokens);
     for (int t0 = 0; t0 < a.n; t0 += block) {
       const int t1 = std::min(a.n, t0 + block);
       for (int r = 0; r < a.rows; ++r) {

@@ -84,11 +84,7 @@ void q4_neon(const MatvecArgs& a) {
           w[4 + q] = vmulq_n_f32(widen4(hi, q), d);
         }
       },
-      [&](const uint8_t* p, uint64_t s, const float* x, int len) {
-        float part = 0.f;
-        for (int j = 0; j < len; ++j) part += (static_cast<float>(j < 16 ? (p[j] & 0xF) : (p[j - 16] >> 4)) - 8.f) * x[j];
-        return f16_to_f32(scales[s]) * part;
-      });
+      [&](const uint8_t* p, uint64_t s, const float* x, int len) { return f16_to_f32(scales[s]) * q4_partial_dot(p, x, len); });
 }
 
 // 2 * e2m1 by code, as int8: MXFP4 codes become small integers (the scale is halved to match).
@@ -117,11 +113,7 @@ void mxfp4_neon(const MatvecArgs& a) {
           w[4 + q] = vmulq_n_f32(widen4(e1, q), d);
         }
       },
-      [&](const uint8_t* p, uint64_t s, const float* x, int len) {
-        float part = 0.f;
-        for (int j = 0; j < len; ++j) part += kE2m1[(p[j / 2] >> (4 * (j & 1))) & 0xF] * x[j];
-        return e8m0_to_f32(scales[s]) * part;
-      });
+      [&](const uint8_t* p, uint64_t s, const float* x, int len) { return e8m0_to_f32(scales[s]) * mxfp4_partial_dot(p, x, len); });
 }
 
 // FP8: 128-column blocks, 8 codes widened through f16 at a time (value times 2^-8, undone per block).

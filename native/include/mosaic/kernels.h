@@ -198,6 +198,21 @@ inline float scale_at(const void* scales, ScaleDtype d, uint64_t i) {
   }
 }
 
+// The first len (< 32) weights of one block against x, unscaled, in the reference's arithmetic: how the
+// vector kernels finish a row whose last block is partial. Q4: byte j holds elements j and j + 16; MXFP4:
+// elements 2j and 2j + 1.
+inline float q4_partial_dot(const uint8_t* block, const float* x, int len) {
+  float part = 0.f;
+  for (int j = 0; j < len; ++j)
+    part += (static_cast<float>(j < 16 ? (block[j] & 0xF) : (block[j - 16] >> 4)) - 8.f) * x[j];
+  return part;
+}
+inline float mxfp4_partial_dot(const uint8_t* block, const float* x, int len) {
+  float part = 0.f;
+  for (int j = 0; j < len; ++j) part += kE2m1[(block[j / 2] >> (4 * (j & 1))) & 0xF] * x[j];
+  return part;
+}
+
 inline void apply_activation(const ExpertActivation& act, float* g, const float* u, uint64_t n) {
   if (act.kind == ExpertActivation::Kind::Silu) {
     for (uint64_t i = 0; i < n; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
