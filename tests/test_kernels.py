@@ -22,7 +22,7 @@ from mosaic_runtime.vault.record import dequantize_record, pack_record, record_b
 K = _native.kernels
 ISAS = [isa for isa in (K.SCALAR, K.AVX2, K.AVX512, K.NEON) if K.isa_available(isa)]
 # The int8-activation ISAs this CPU runs: their Q4 matvec rounds activations, the rest is their float ISA's.
-INT8_ISAS = [isa for isa in (K.AVX2_INT8, K.AVX512_VNNI, K.NEON_DOT) if K.isa_available(isa)]
+INT8_ISAS = [isa for isa in (K.AVX2_INT8, K.AVX_VNNI, K.AVX512_VNNI, K.NEON_DOT) if K.isa_available(isa)]
 
 
 def as_bytes(t: torch.Tensor) -> np.ndarray:
@@ -168,6 +168,21 @@ def test_int8_activation_kernels_match_their_reference(rows, cols, n, seed, isa,
     assert ((torch.from_numpy(y).double() - exact).abs() <= int8_rounding_bound(x, w)).all()
 
 
+@pytest.mark.skipif(not K.isa_available(K.AVX_VNNI), reason="no AVX-VNNI on this CPU")
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 70), cols=st.integers(1, 600), n=st.integers(1, 9), seed=st.integers(0, 1000),
+       quant=st.sampled_from([QuantType.Q4_G32, QuantType.MXFP4_G32]))
+def test_avx_vnni_agrees_with_the_avx2_int8_loop_bit_for_bit(rows, cols, n, seed, quant):
+    # One loop, two instruction sets for its integer dot products, both exact: any difference is a bug.
+    codes, scales, sdt, _ = quantised(quant, rows, cols, seed)
+    x = torch.randn(n, cols, generator=torch.Generator().manual_seed(seed + 1)).numpy()
+    ys = []
+    for isa in (K.AVX2_INT8, K.AVX_VNNI):
+        ys.append(np.zeros((n, rows), np.float32))
+        K.matvec(isa, int(quant), int(sdt), as_bytes(codes), as_bytes(scales), rows, cols, x, ys[-1])
+    assert np.array_equal(ys[0], ys[1])
+
+
 def int8_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """How far int8 activations may take X @ W.T from the float product: at most half a step (amax/254
     of its block of 32) per activation, plus float slack."""
@@ -267,9 +282,14 @@ def _isa_report(value: str | None) -> subprocess.CompletedProcess:
 def test_mosaic_isa_caps_the_kernels_and_reports_a_bad_value():
     hardware = _isa_report(None).stdout.split()
     assert _isa_report("scalar").stdout.split() == [str(K.SCALAR), "None"]
-    if K.isa_available(K.AVX2):
-        assert _isa_report("avx2").stdout.split() == [str(K.AVX2), str(K.AVX2_INT8)]
+    if K.isa_available(K.AVX2):  # AVX2 takes AVX-VNNI where the CPU has it; avx2-int8 forces the plain loop
+        vnni = K.isa_available(K.AVX_VNNI)
+        assert _isa_report("avx2").stdout.split() == [str(K.AVX2), str(K.AVX_VNNI if vnni else K.AVX2_INT8)]
+        assert _isa_report("avx2-int8").stdout.split() == [str(K.AVX2), str(K.AVX2_INT8)]
+        if vnni:
+            assert _isa_report("avx-vnni").stdout.split() == [str(K.AVX2), str(K.AVX_VNNI)]
     bad = _isa_report("avx9000")
     assert bad.stdout.split() == hardware
-    names = "scalar, neon" if K.isa_available(K.NEON) else "scalar, avx2, avx512"  # this build's architecture
+    names = ("scalar, neon, neon-dot" if K.isa_available(K.NEON)  # this build's architecture
+             else "scalar, avx2, avx512, avx512-vnni, avx-vnni, avx2-int8")
     assert f"MOSAIC_ISA=avx9000 is not one of {names}; ignored" in bad.stderr

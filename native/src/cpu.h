@@ -11,10 +11,12 @@ namespace mosaic::cpu {
 
 // The widest float-activation ISA this CPU runs (Avx512, Avx2, Neon, or Scalar).
 Isa hardware_isa();
-// The int8-activation ISA under a (possibly capped) vector ISA: Avx512Vnni, Avx2Int8, NeonDot, or Scalar.
-Isa int8_isa_under(Isa vector);
-// Every ISA this architecture has a path for, float ones by rank (Scalar first).
+// Every float ISA this architecture has a path for, by rank (Scalar first).
 const Isa* vector_isas(int* count);
+// Every int8-activation ISA this architecture has a path for, the fastest first.
+const Isa* int8_isas(int* count);
+// Whether the hardware has an int8-activation ISA's instructions (its float ISA's aside).
+bool int8_runs(Isa isa);
 // A spin-wait's pause between two polls of a flag another thread sets.
 void relax();
 // Sums n bytes as 64-bit lanes with the hardware's widest loads (stream_read, the benchmarks' roofline).

@@ -33,13 +33,20 @@ bool has_dotprod() {
 
 Isa hardware_isa() { return Isa::Neon; }
 
-Isa int8_isa_under(Isa vector) { return vector == Isa::Neon && has_dotprod() ? Isa::NeonDot : Isa::Scalar; }
 
 const Isa* vector_isas(int* count) {
   static const Isa isas[] = {Isa::Scalar, Isa::Neon};
   *count = 2;
   return isas;
 }
+
+const Isa* int8_isas(int* count) {
+  static const Isa isas[] = {Isa::NeonDot};
+  *count = 1;
+  return isas;
+}
+
+bool int8_runs(Isa isa) { return isa == Isa::NeonDot && has_dotprod(); }
 
 void relax() { __asm__ __volatile__("yield"); }
 

@@ -14,11 +14,19 @@ Isa hardware_isa() {
   return Isa::Scalar;
 }
 
-Isa int8_isa_under(Isa vector) {
-  switch (vector) {
-    case Isa::Avx512: return __builtin_cpu_supports("avx512vnni") ? Isa::Avx512Vnni : Isa::Avx2Int8;
-    case Isa::Avx2: return Isa::Avx2Int8;
-    default: return Isa::Scalar;
+const Isa* int8_isas(int* count) {
+  static const Isa isas[] = {Isa::Avx512Vnni, Isa::AvxVnni, Isa::Avx2Int8};
+  *count = 3;
+  return isas;
+}
+
+bool int8_runs(Isa isa) {
+  __builtin_cpu_init();
+  switch (isa) {
+    case Isa::Avx512Vnni: return __builtin_cpu_supports("avx512vnni");
+    case Isa::AvxVnni: return __builtin_cpu_supports("avxvnni");
+    case Isa::Avx2Int8: return true;  // AVX2's own instructions
+    default: return false;
   }
 }
 

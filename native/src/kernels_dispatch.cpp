@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -31,50 +32,80 @@ int rank_of(Isa isa) {
   return -1;
 }
 
-Isa forced_cap() {  // MOSAIC_ISA, or the hardware's (no cap)
+bool is_int8(Isa isa) { return vector_isa(isa) != isa; }
+
+// The ISAs MOSAIC_ISA may name on this architecture: the float ones, then the int8-activation ones.
+std::vector<Isa> nameable_isas() {
+  int n_float = 0, n_int8 = 0;
+  const Isa* floats = cpu::vector_isas(&n_float);
+  const Isa* int8s = cpu::int8_isas(&n_int8);
+  std::vector<Isa> out(floats, floats + n_float);
+  out.insert(out.end(), int8s, int8s + n_int8);
+  return out;
+}
+
+// MOSAIC_ISA's choice, or nothing when it is unset or not one of nameable_isas() (reported once on stderr).
+std::optional<Isa> forced_isa() {
   const char* env = std::getenv("MOSAIC_ISA");
-  if (env == nullptr || *env == '\0') return cpu::hardware_isa();
-  int count = 0;
-  const Isa* isas = cpu::vector_isas(&count);
-  for (int i = 0; i < count; ++i)
-    if (std::strcmp(env, isa_name(isas[i])) == 0) return isas[i];
+  if (env == nullptr || *env == '\0') return std::nullopt;
+  const std::vector<Isa> isas = nameable_isas();
+  for (Isa isa : isas)
+    if (std::strcmp(env, isa_name(isa)) == 0) return isa;
   std::string names;
-  for (int i = 0; i < count; ++i) names += std::string(i ? ", " : "") + isa_name(isas[i]);
+  for (Isa isa : isas) names += std::string(names.empty() ? "" : ", ") + isa_name(isa);
   std::fprintf(stderr, "mosaic: MOSAIC_ISA=%s is not one of %s; ignored\n", env, names.c_str());
-  return cpu::hardware_isa();
+  return std::nullopt;
+}
+
+std::optional<Isa> forced() {
+  static const std::optional<Isa> isa = forced_isa();
+  return isa;
+}
+
+// The fastest int8-activation ISA the hardware runs whose float ISA is at most `vector`, or Scalar.
+Isa int8_isa_under(Isa vector) {
+  int count = 0;
+  const Isa* isas = cpu::int8_isas(&count);
+  for (int i = 0; i < count; ++i)
+    if (cpu::int8_runs(isas[i]) && rank_of(vector_isa(isas[i])) <= rank_of(vector)) return isas[i];
+  return Isa::Scalar;
 }
 
 }  // namespace
 
 Isa best_isa() {
   static const Isa isa = [] {
-    const Isa hw = cpu::hardware_isa(), cap = forced_cap();
+    const Isa hw = cpu::hardware_isa();
+    const Isa cap = forced() ? vector_isa(*forced()) : hw;
     return rank_of(cap) < rank_of(hw) ? cap : hw;
   }();
   return isa;
 }
 
 Isa int8_isa() {
-  static const Isa isa = cpu::int8_isa_under(best_isa());
+  static const Isa isa = [] {
+    const std::optional<Isa> f = forced();
+    if (f && is_int8(*f)) {
+      if (isa_available(*f)) return *f;
+      std::fprintf(stderr, "mosaic: MOSAIC_ISA=%s: this CPU lacks it; taking %s\n", isa_name(*f),
+                   isa_name(int8_isa_under(best_isa())));
+    }
+    return int8_isa_under(best_isa());
+  }();
   return isa;
 }
 
 bool isa_available(Isa isa) {
-  switch (isa) {
-    case Isa::Avx512Vnni:
-    case Isa::NeonDot: return int8_isa() == isa;
-    case Isa::Avx2Int8: return rank_of(Isa::Avx2) >= 0 && rank_of(best_isa()) >= rank_of(Isa::Avx2);
-    default: {
-      const int rank = rank_of(isa);
-      return rank >= 0 && rank <= rank_of(best_isa());
-    }
-  }
+  const int rank = rank_of(vector_isa(isa));
+  if (rank < 0 || rank > rank_of(best_isa())) return false;  // another architecture's, or above the cap
+  return !is_int8(isa) || cpu::int8_runs(isa);
 }
 
 const char* isa_name(Isa isa) {
   switch (isa) {
     case Isa::Avx512Vnni: return "avx512-vnni";
     case Isa::Avx2Int8: return "avx2-int8";
+    case Isa::AvxVnni: return "avx-vnni";
     case Isa::Avx512: return "avx512";
     case Isa::Avx2: return "avx2";
     case Isa::Neon: return "neon";
@@ -88,6 +119,7 @@ IsaKernels kernels_for(Isa isa) {
 #if defined(MOSAIC_X86)
     case Isa::Avx512Vnni: return avx512_vnni_kernels();
     case Isa::Avx2Int8: return avx2_int8_kernels();
+    case Isa::AvxVnni: return avx_vnni_kernels();
     case Isa::Avx512: return avx512_kernels();
     case Isa::Avx2: return avx2_kernels();
 #elif defined(MOSAIC_ARM)

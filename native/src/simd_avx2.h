@@ -1,4 +1,16 @@
-// The target of the functions compiled for AVX2 (internal to native/src).
+// The target of the functions compiled for AVX2, and the lane sum they share (internal to native/src).
 #pragma once
 
+#include <immintrin.h>
+
 #define MOSAIC_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+namespace mosaic::avx2 {
+
+MOSAIC_AVX2 inline float reduce(__m256 v) {  // the sum of v's eight lanes
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 h = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
+}
+
+}  // namespace mosaic::avx2

@@ -1,0 +1,234 @@
+// The Q4 and MXFP4 loops against int8 activations at AVX2 width, written once for two instruction sets:
+// kernels_avx2.cpp (vpmaddubsw + vpmaddwd, any AVX2 CPU) and kernels_avx_vnni.cpp (AVX-VNNI's vpdpbusd).
+// A function's target cannot depend on a template parameter, so each includer defines, in its own
+// anonymous namespace before including this, MOSAIC_INT8_TARGET (the loops' target) and
+// `__m256i pair_dots(lo, ql, hi, qh)`: lane i = the sum of codes x activations over bytes 4i..4i+3 of
+// lo x ql plus hi x qh (codes unsigned, activations signed). Both sums are exact, so the two files agree bit
+// for bit. Internal to native/src; no include guard: included once per instruction set, inside a namespace,
+// after <immintrin.h>, <algorithm>, <cstring>, <vector>, mosaic/kernels.h, prefill_blocks.h and simd_avx2.h.
+
+// x is quantised once per call to int8 per 32-block (scale sx = amax/127, rounded to nearest even), as the
+// VNNI kernel does. 32 bytes of codes are two blocks: their low nibbles (elements 0..15 of each) and high
+// nibbles (16..31) meet the activations laid out the same way, [b0 0..15, b1 0..15] then [b0 16..31, b1
+// 16..31]. pair_dots sums code x activation products into 8 int32 lanes, four a block, and each lane is scaled by d (weight block) * sx (activation block). The codes' offset of 8 is taken
+// out once per block: d * 8 * sx * sum(q). Activations lose about 0.4 % (int8); weights are exact.
+constexpr int kInt8Group = 8;         // blocks whose scales are converted with one vcvtph2ps
+constexpr int kInt8Prefetch = 4096;   // bytes ahead in the row stream
+constexpr int kInt8ScalePrefetch = 512;
+
+struct QuantisedX {
+  std::vector<int8_t> q;     // [n][pairs * 64]: per pair of blocks, the elements each block's low nibbles hold
+                             // (Q4: 0..15; MXFP4: the even ones), then its high nibbles' (16..31; odd)
+  std::vector<float> sx;     // [n][groups * 8]: activation scale per block, zero past the last block
+  std::vector<float> off;    // [n][groups * 8]: zero * sx * sum(q) per block, zero the codes' offset
+};
+
+// The weights' side of the int8 loop, as in kernels_avx512.cpp: Q4's codes are w + 8, low nibbles holding
+// elements 0..15; MXFP4's go through a table to 2 * e2m1 + 12, nibbles holding elements 2j and 2j + 1.
+struct Q4Codes {
+  static constexpr float kZero = 8.f;
+  static constexpr bool kMx = false;
+};
+struct Mxfp4Codes {
+  static constexpr float kZero = 12.f;
+  static constexpr bool kMx = true;
+};
+
+MOSAIC_AVX2 inline __m256 masked_x(const float* x, int len) {  // x[0..len) then zeros, len in 0..8
+  if (len >= 8) return _mm256_loadu_ps(x);
+  alignas(32) float tmp[8] = {};
+  std::memcpy(tmp, x, sizeof(float) * std::max(0, len));
+  return _mm256_load_ps(tmp);
+}
+
+template <typename Codes>
+MOSAIC_AVX2 void quantise_x(const MatvecArgs& a, int pairs, int groups, QuantisedX& out) {
+  const size_t per_q = static_cast<size_t>(pairs) * 64, per_b = static_cast<size_t>(groups) * kInt8Group;
+  out.q.assign(per_q * a.n, 0);  // capacity is kept across calls: no allocation once warm
+  out.sx.assign(per_b * a.n, 0.f);
+  out.off.assign(per_b * a.n, 0.f);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int t = 0; t < a.n; ++t) {
+    const float* x = a.x + static_cast<uint64_t>(t) * a.ldx;
+    int8_t* q = out.q.data() + per_q * t;
+    for (int b = 0; b * kQ4 < a.cols; ++b) {
+      const int c0 = b * kQ4, len = std::min(kQ4, a.cols - c0);
+      __m256 v[4];
+      for (int i = 0; i < 4; ++i) v[i] = masked_x(x + c0 + 8 * i, len - 8 * i);
+      const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                     _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+      const float sx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      __m256i iv[4];
+      for (int i = 0; i < 4; ++i) iv[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));  // nearest even
+      // packs work within 128-bit lanes: the permute puts elements 0..31 back in order
+      __m256i bytes = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3])), order);
+      if constexpr (Codes::kMx) {  // even elements, then odd: each lane's evens and odds, then the lanes' quads
+        const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                               0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+        bytes = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(bytes, split), 0xD8);
+      }
+      int8_t* pair = q + (b / 2) * 64 + (b % 2) * 16;  // the low nibbles' elements, then the high ones'
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(pair), _mm256_castsi256_si128(bytes));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(pair + 32), _mm256_extracti128_si256(bytes, 1));
+      const __m256i s = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
+      const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+      const __m128i s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+      const int sum = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
+      out.sx[per_b * t + b] = sx;
+      out.off[per_b * t + b] = Codes::kZero * sx * static_cast<float>(sum);
+    }
+  }
+}
+
+// A group's kInt8Group block scales as floats (nb of them; the rest zero, never read past the row's last):
+// Q4's f16, or MXFP4's E8M0 byte moved into the exponent field, halved for the doubled codes.
+template <typename Codes, typename Scale>
+MOSAIC_AVX2 inline __m256 group_scales(const Scale* group, int nb) {
+  alignas(16) Scale tmp[kInt8Group] = {};
+  if (nb < kInt8Group) {
+    std::memcpy(tmp, group, sizeof(Scale) * nb);
+    group = tmp;
+  }
+  if constexpr (Codes::kMx) {
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(group)));
+    return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(e, 23)), _mm256_set1_ps(0.5f));
+  } else {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group)));
+  }
+}
+
+// One row against NT tokens' quantised x (a prefill's). Per 32 bytes of codes (two blocks): one load and
+// the two nibble masks, shared by the tokens, then per token its pair_dots, one
+// convert, the scale permute and one FMA. One accumulator a token: the tokens' FMA chains interleave, and
+// fewer live registers keep them out of the stack (two a token spilled them, and the loop ran at a third
+// of its issue rate).
+template <int NT, typename Codes, typename Scale>
+MOSAIC_INT8_TARGET void int8_row(const uint8_t* row, const Scale* rs, int blocks, int groups, const int8_t* q,
+                                 size_t q_stride,
+                          const float* sx, const float* off, size_t s_stride, float* y, int64_t ldy) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  // 2 * e2m1 + 12 by code, in each 128-bit lane for vpshufb
+  const __m256i table = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                                         12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+  for (int g = 0; g < groups; ++g) {
+    const int b0 = g * kInt8Group, nb = std::min(kInt8Group, blocks - b0);
+    _mm_prefetch(reinterpret_cast<const char*>(rs + b0) + kInt8ScalePrefetch, _MM_HINT_T0);
+    const __m256 d = group_scales<Codes>(rs + b0, nb);
+    __m256 dsx[NT];
+    for (int t = 0; t < NT; ++t) {
+      dsx[t] = _mm256_mul_ps(d, _mm256_loadu_ps(sx + t * s_stride + b0));
+      acc[t] = _mm256_fnmadd_ps(d, _mm256_loadu_ps(off + t * s_stride + b0), acc[t]);
+    }
+    for (int k = 0; 2 * k < nb; ++k) {
+      const int p = b0 / 2 + k;
+      const uint8_t* at = row + p * 32;
+      _mm_prefetch(reinterpret_cast<const char*>(at + kInt8Prefetch), _MM_HINT_T0);
+      const __m256i v = 2 * k + 1 < nb ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at))
+                                       : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+      __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      if constexpr (Codes::kMx) lo = _mm256_shuffle_epi8(table, lo), hi = _mm256_shuffle_epi8(table, hi);
+      const __m256i lanes = _mm256_setr_epi32(2 * k, 2 * k, 2 * k, 2 * k, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1);
+      for (int t = 0; t < NT; ++t) {
+        const int8_t* qt = q + t * q_stride + p * 64;
+        const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qt));
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qt + 32));
+        const __m256 dot = _mm256_cvtepi32_ps(pair_dots(lo, ql, hi, qh));
+        acc[t] = _mm256_fmadd_ps(dot, _mm256_permutevar8x32_ps(dsx[t], lanes), acc[t]);
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) y[t * ldy] = avx2::reduce(acc[t]);
+}
+
+// One row against one token (a decode step). A group's eight blocks are four steps of 32 code bytes; each
+// step's int32 dot products (four lanes a block) are summed to one lane a block with three vphaddd, so a
+// group costs one convert, one permute and one FMA where a step each took them. Kept apart from
+// int8_row<1>: the compiler schedules this form better.
+template <typename Codes, typename Scale>
+MOSAIC_INT8_TARGET float int8_row_one(const uint8_t* row, const Scale* rs, int blocks, int groups, const int8_t* q,
+                           const float* sx, const float* off) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  // 2 * e2m1 + 12 by code, in each 128-bit lane for vpshufb
+  const __m256i table = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                                         12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+  // the vphaddd tree leaves blocks 0, 2, 4, 6 in the low lane and 1, 3, 5, 7 in the high one
+  const __m256i block_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  // A step's 8 int32 dots: lanes 0-3 its first block, 4-7 its second (zero when the row has no second).
+  auto step = [&](int p, bool two) MOSAIC_INT8_TARGET {
+    const uint8_t* at = row + p * 32;
+    _mm_prefetch(reinterpret_cast<const char*>(at + kInt8Prefetch), _MM_HINT_T0);
+    const __m256i v = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at))
+                          : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+    __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    if constexpr (Codes::kMx) lo = _mm256_shuffle_epi8(table, lo), hi = _mm256_shuffle_epi8(table, hi);
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + p * 64));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + p * 64 + 32));
+    return pair_dots(lo, ql, hi, qh);
+  };
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (int g = 0; g < groups; ++g) {
+    const int b0 = g * kInt8Group, nb = std::min(kInt8Group, blocks - b0);
+    _mm_prefetch(reinterpret_cast<const char*>(rs + b0) + kInt8ScalePrefetch, _MM_HINT_T0);
+    const __m256 d = group_scales<Codes>(rs + b0, nb);
+    acc1 = _mm256_fnmadd_ps(d, _mm256_loadu_ps(off + b0), acc1);
+    const int p0 = b0 / 2;
+    __m256i dots[4];
+    if (nb == kInt8Group) {
+      for (int k = 0; k < 4; ++k) dots[k] = step(p0 + k, true);
+    } else {  // the row's last group
+      for (int k = 0; k < 4; ++k) dots[k] = 2 * k < nb ? step(p0 + k, 2 * k + 1 < nb) : _mm256_setzero_si256();
+    }
+    const __m256i sums = _mm256_hadd_epi32(_mm256_hadd_epi32(dots[0], dots[1]), _mm256_hadd_epi32(dots[2], dots[3]));
+    const __m256 dot = _mm256_cvtepi32_ps(_mm256_permutevar8x32_epi32(sums, block_order));
+    acc0 = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_loadu_ps(sx + b0)), acc0);
+  }
+  return avx2::reduce(_mm256_add_ps(acc0, acc1));
+}
+
+// Tokens a prefill step shares a row's unpacked codes among: two keep every accumulator in the 16 registers.
+constexpr int kInt8Tokens = 4;
+
+// Q4 (f16 scales) or MXFP4 (E8M0 scales) against int8 activations.
+template <typename Codes, typename Scale>
+MOSAIC_INT8_TARGET void int8_matvec(const MatvecArgs& a) {
+  thread_local QuantisedX qx;
+  const int blocks = (a.cols + kQ4 - 1) / kQ4, pairs = (blocks + 1) / 2;
+  const int groups = (blocks + kInt8Group - 1) / kInt8Group;
+  quantise_x<Codes>(a, pairs, groups, qx);
+  const auto* scales = static_cast<const Scale*>(a.scales);
+  if (a.n == 1) {
+    for (int r = 0; r < a.rows; ++r)
+      a.y[r] = int8_row_one<Codes>(a.codes + static_cast<uint64_t>(r) * blocks * kQ4Bytes,
+                                   scales + static_cast<uint64_t>(r) * blocks, blocks, groups, qx.q.data(),
+                                   qx.sx.data(), qx.off.data());
+    return;
+  }
+  // A prefill: the tokens in blocks whose quantised activations stay in L2 (prefill_blocks.h).
+  const size_t q_stride = static_cast<size_t>(pairs) * 64, s_stride = static_cast<size_t>(groups) * kInt8Group;
+  const int block = detail::prefill_token_block(q_stride, kInt8Tokens);
+  for (int t0 = 0; t0 < a.n; t0 += block) {
+    const int t1 = std::min(a.n, t0 + block);
+    for (int r = 0; r < a.rows; ++r) {
+      const uint8_t* row = a.codes + static_cast<uint64_t>(r) * blocks * kQ4Bytes;
+      const Scale* rs = scales + static_cast<uint64_t>(r) * blocks;
+      for (int t = t0; t < t1; t += kInt8Tokens) {  // the tokens share each row's unpacked codes
+        const int8_t* q = qx.q.data() + t * q_stride;
+        const float *sx = qx.sx.data() + t * s_stride, *off = qx.off.data() + t * s_stride;
+        float* y = a.y + static_cast<uint64_t>(t) * a.ldy + r;
+        switch (std::min(kInt8Tokens, t1 - t)) {
+          case 4: int8_row<4, Codes>(row, rs, blocks, groups, q, q_stride, sx, off, s_stride, y, a.ldy); break;
+          case 3: int8_row<3, Codes>(row, rs, blocks, groups, q, q_stride, sx, off, s_stride, y, a.ldy); break;
+          case 2: int8_row<2, Codes>(row, rs, blocks, groups, q, q_stride, sx, off, s_stride, y, a.ldy); break;
+          default: int8_row<1, Codes>(row, rs, blocks, groups, q, q_stride, sx, off, s_stride, y, a.ldy);
+        }
+      }
+    }
+  }
+}

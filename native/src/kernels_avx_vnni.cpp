@@ -1,0 +1,32 @@
+// Q4 and MXFP4 against int8 activations with AVX-VNNI (Isa::AvxVnni: Intel client CPUs from Alder Lake,
+// AMD from Zen 5, which have AVX2 and VNNI but no AVX-512): the loops of int8_avx2_loops.h with one vpdpbusd
+// for each vpmaddubsw + vpmaddwd pair. Everything else runs the AVX2 kernels.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "mosaic/kernels.h"
+
+#include "prefill_blocks.h"
+#include "simd_avx2.h"
+
+namespace mosaic {
+namespace {
+
+#define MOSAIC_INT8_TARGET __attribute__((target("avx2,fma,f16c,avxvnni")))
+MOSAIC_INT8_TARGET inline __m256i pair_dots(__m256i lo, __m256i ql, __m256i hi, __m256i qh) {
+  return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo, ql), hi, qh);
+}
+#include "int8_avx2_loops.h"
+
+MOSAIC_INT8_TARGET void q4_avx_vnni(const MatvecArgs& a) { int8_matvec<Q4Codes, uint16_t>(a); }
+MOSAIC_INT8_TARGET void mxfp4_avx_vnni(const MatvecArgs& a) { int8_matvec<Mxfp4Codes, uint8_t>(a); }
+#undef MOSAIC_INT8_TARGET
+
+}  // namespace
+
+IsaKernels avx_vnni_kernels() { return {q4_avx_vnni, avx2_kernels().fp8, mxfp4_avx_vnni}; }
+
+}  // namespace mosaic
