@@ -29,7 +29,7 @@ def int8_tolerance(ref: torch.Tensor, isa: int, d: int) -> dict:
     """assert_close's tolerance for an int8 cache's kernel output under isa: the integer loop (VNNI,
     head_dim a multiple of 32) rounds the queries and each tile's probabilities to 16 bits, so within
     3e-4 of the output's largest magnitude (9e-5 seen at most); the float loops as ATOL."""
-    if isa == K.AVX512_VNNI and d % 32 == 0:
+    if isa in (K.AVX512_VNNI, K.AMX) and d % 32 == 0:
         return dict(atol=3e-4 * ref.abs().max().item(), rtol=0.0)
     return dict(atol=ATOL, rtol=1e-5)
 
@@ -39,7 +39,7 @@ CACHED_I8_ISA = K.AVX512_VNNI if K.isa_available(K.AVX512_VNNI) else K.best_isa(
 
 
 def isas():
-    return [i for i in (K.SCALAR, K.AVX2, K.AVX512, K.AVX512_VNNI, K.AVX2_INT8, K.AVX_VNNI, K.NEON, K.NEON_DOT)
+    return [i for i in (K.SCALAR, K.AVX2, K.AVX512, K.AVX512_VNNI, K.AMX, K.AVX2_INT8, K.AVX_VNNI, K.NEON, K.NEON_DOT)
             if K.isa_available(i)]
 
 

@@ -22,7 +22,7 @@ from mosaic_runtime.vault.record import dequantize_record, pack_record, record_b
 K = _native.kernels
 ISAS = [isa for isa in (K.SCALAR, K.AVX2, K.AVX512, K.NEON) if K.isa_available(isa)]
 # The int8-activation ISAs this CPU runs: their Q4 matvec rounds activations, the rest is their float ISA's.
-INT8_ISAS = [isa for isa in (K.AVX2_INT8, K.AVX_VNNI, K.AVX512_VNNI, K.NEON_DOT) if K.isa_available(isa)]
+INT8_ISAS = [isa for isa in (K.AVX2_INT8, K.AVX_VNNI, K.AVX512_VNNI, K.AMX, K.NEON_DOT) if K.isa_available(isa)]
 
 
 def as_bytes(t: torch.Tensor) -> np.ndarray:
@@ -183,6 +183,21 @@ def test_avx_vnni_agrees_with_the_avx2_int8_loop_bit_for_bit(rows, cols, n, seed
     assert np.array_equal(ys[0], ys[1])
 
 
+@pytest.mark.skipif(not INT8_ISAS, reason="no int8-activation ISA on this CPU")
+@pytest.mark.parametrize("quant", [QuantType.Q4_G32, QuantType.MXFP4_G32])
+@pytest.mark.parametrize("rows,cols,n", [(17, 96, 16), (33, 257, 19), (130, 600, 35), (5, 2048, 70)])
+def test_int8_prefills_match_their_reference(rows, cols, n, quant):
+    # Prefill-sized calls: AMX takes them in 16 x 16 tiles (whole and partial), the other loops in token tiles.
+    codes, scales, sdt, w = quantised(quant, rows, cols, rows + cols + n)
+    x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n))
+    ref = int8_activation_reference(x, w)
+    bound = 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-6
+    for isa in INT8_ISAS:
+        y = np.zeros((n, rows), np.float32)
+        K.matvec(isa, int(quant), int(sdt), as_bytes(codes), as_bytes(scales), rows, cols, x.numpy(), y)
+        assert ((torch.from_numpy(y).double() - ref).abs() <= bound).all(), K.isa_name(isa)
+
+
 def int8_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """How far int8 activations may take X @ W.T from the float product: at most half a step (amax/254
     of its block of 32) per activation, plus float slack."""
@@ -291,5 +306,5 @@ def test_mosaic_isa_caps_the_kernels_and_reports_a_bad_value():
     bad = _isa_report("avx9000")
     assert bad.stdout.split() == hardware
     names = ("scalar, neon, neon-dot" if K.isa_available(K.NEON)  # this build's architecture
-             else "scalar, avx2, avx512, avx512-vnni, avx-vnni, avx2-int8")
+             else "scalar, avx2, avx512, amx, avx512-vnni, avx-vnni, avx2-int8")
     assert f"MOSAIC_ISA=avx9000 is not one of {names}; ignored" in bad.stderr

@@ -132,6 +132,7 @@ void init_kernels(nb::module_& m) {
   k.attr("AVX512_VNNI") = static_cast<int>(Isa::Avx512Vnni);
   k.attr("AVX2_INT8") = static_cast<int>(Isa::Avx2Int8);
   k.attr("AVX_VNNI") = static_cast<int>(Isa::AvxVnni);
+  k.attr("AMX") = static_cast<int>(Isa::Amx);
   k.attr("NEON") = static_cast<int>(Isa::Neon);
   k.attr("NEON_DOT") = static_cast<int>(Isa::NeonDot);
   k.def("isa_available", [](int isa) { return isa_available(Isa(isa)); });
@@ -140,7 +141,7 @@ void init_kernels(nb::module_& m) {
     const Isa isa = int8_isa();
     if (isa == Isa::Scalar) return std::nullopt;
     return static_cast<int>(isa);
-  }, "the int8-activation ISA of this CPU (AVX512_VNNI, AVX_VNNI, AVX2_INT8 or NEON_DOT), or None");
+  }, "the int8-activation ISA of this CPU (AMX, AVX512_VNNI, AVX_VNNI, AVX2_INT8 or NEON_DOT), or None");
   k.def("isa_name", [](int isa) { return std::string(isa_name(Isa(isa))); });
   k.def("matvec",
         [](int isa, uint32_t quant, uint32_t scale_dtype, Bytes codes, Bytes scales, int rows, int cols, Matrix x,

@@ -4,9 +4,9 @@
 // memory once for all of them (GQA). Keys are cut into fixed chunks of kChunk; each (KV head, chunk) is a
 // task with its own reference max, sum and output (online softmax, flash-decoding), and the chunks are
 // merged in ascending order: the result depends on the length only, never on the thread count.
-// Caches: float32, bf16, or int8 with a float32 scale per row (key or value = code * scale); under
-// Isa::Avx512Vnni an int8 cache takes the integer task of attention_i8.cpp instead. AVX2 and NEON CPUs
-// take a simpler task in the same chunks. The tasks are per ISA (attention_task.h); this file holds the
+// Caches: float32, bf16, or int8 with a float32 scale per row (key or value = code * scale); under an ISA
+// with AVX-512 VNNI (Avx512Vnni, Amx) an int8 cache takes the integer task of attention_i8.cpp instead. AVX2
+// and NEON CPUs take a simpler task in the same chunks. The tasks are per ISA (attention_task.h); this file holds the
 // driver, the scalar task (the reference) and the merge.
 #include <omp.h>
 
@@ -69,7 +69,7 @@ void attend(const float* q, int heads, int head_dim, const T* k, const T* v, int
   // the AVX2 task also serves AVX-512 CPUs for the head sizes the wide task does not take
   [[maybe_unused]] const bool avx2 = !wide && vector_isa(isa) != Isa::Scalar && d % 8 == 0;  // task_avx2
   [[maybe_unused]] const bool neon = vector_isa(isa) == Isa::Neon && d % 8 == 0;              // task_neon
-  const bool integer = int8 && wide && isa == Isa::Avx512Vnni;  // task_i8_vnni
+  const bool integer = int8 && wide && has_avx512_vnni(isa);  // task_i8_vnni
   // Where the AVX-512 loops keep element i of a query or output row: bf16 rows go as evens then odds
   // inside each block of 32 (load_pair); the integer int8 task's outputs in i8_order; otherwise in place.
   const bool split = bf16 && wide;

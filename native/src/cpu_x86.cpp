@@ -1,5 +1,11 @@
-// x86-64: ISA detection through the compiler's cpuid wrappers, the pause hint, and AVX streaming loads.
+// x86-64: ISA detection through the compiler's cpuid wrappers (and, for AMX, the kernel's permission), the
+// pause hint, and AVX streaming loads.
 #include <immintrin.h>
+
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "cpu.h"
 
@@ -15,14 +21,32 @@ Isa hardware_isa() {
 }
 
 const Isa* int8_isas(int* count) {
-  static const Isa isas[] = {Isa::Avx512Vnni, Isa::AvxVnni, Isa::Avx2Int8};
-  *count = 3;
+  static const Isa isas[] = {Isa::Amx, Isa::Avx512Vnni, Isa::AvxVnni, Isa::Avx2Int8};
+  *count = 4;
   return isas;
 }
+
+namespace {
+
+// Linux hands a process the AMX tile registers' state only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA), for all its threads; a kernel without AMX support refuses.
+bool amx_permitted() {
+#if defined(__linux__)
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
 
 bool int8_runs(Isa isa) {
   __builtin_cpu_init();
   switch (isa) {
+    case Isa::Amx:
+      return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") &&
+             __builtin_cpu_supports("avx512vnni") && amx_permitted();
     case Isa::Avx512Vnni: return __builtin_cpu_supports("avx512vnni");
     case Isa::AvxVnni: return __builtin_cpu_supports("avxvnni");
     case Isa::Avx2Int8: return true;  // AVX2's own instructions

@@ -219,20 +219,9 @@ MOSAIC_VNNI static void quantise_x(const MatvecArgs& a, int quads, int groups, Q
     const float* x = a.x + static_cast<uint64_t>(t) * a.ldx;
     int8_t* q = out.q.data() + per_q * t;
     for (int b = 0; b * kQ4 < a.cols; ++b) {
-      const int c0 = b * kQ4, len = std::min(kQ4, a.cols - c0);
-      const __mmask16 m0 = len >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << len) - 1);
-      const __mmask16 m1 = len >= 32 ? 0xFFFF : len > 16 ? static_cast<__mmask16>((1u << (len - 16)) - 1) : 0;
-      const __m512 x0 = _mm512_maskz_loadu_ps(m0, x + c0), x1 = _mm512_maskz_loadu_ps(m1, x + c0 + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-      const float sx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      __m512i v0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(inv)));  // MXCSR: nearest even
-      __m512i v1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(inv)));
-      if constexpr (Codes::kPairs) {  // the block's even elements, then its odd ones
-        const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-        const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
-        const __m512i e = _mm512_permutex2var_epi32(v0, evens, v1), o = _mm512_permutex2var_epi32(v0, odds, v1);
-        v0 = e, v1 = o;
-      }
+      const int c0 = b * kQ4;
+      __m512i v0, v1;
+      const float sx = quantise_block<Codes::kPairs>(x + c0, std::min(kQ4, a.cols - c0), v0, v1) / 127.f;
       int8_t* quad = q + (b / 4) * 128 + (b % 4) * 16;  // the low nibbles' elements, then the high ones'
       _mm_storeu_si128(reinterpret_cast<__m128i*>(quad), _mm512_cvtsepi32_epi8(v0));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(quad + 64), _mm512_cvtsepi32_epi8(v1));

@@ -106,6 +106,7 @@ const char* isa_name(Isa isa) {
     case Isa::Avx512Vnni: return "avx512-vnni";
     case Isa::Avx2Int8: return "avx2-int8";
     case Isa::AvxVnni: return "avx-vnni";
+    case Isa::Amx: return "amx";
     case Isa::Avx512: return "avx512";
     case Isa::Avx2: return "avx2";
     case Isa::Neon: return "neon";
@@ -120,6 +121,7 @@ IsaKernels kernels_for(Isa isa) {
     case Isa::Avx512Vnni: return avx512_vnni_kernels();
     case Isa::Avx2Int8: return avx2_int8_kernels();
     case Isa::AvxVnni: return avx_vnni_kernels();
+    case Isa::Amx: return amx_kernels();
     case Isa::Avx512: return avx512_kernels();
     case Isa::Avx2: return avx2_kernels();
 #elif defined(MOSAIC_ARM)

@@ -53,7 +53,7 @@ uint8_t e4m3_code() {
 // Each ISA of this build but the scalar one, float ones first.
 std::vector<Isa> isas_under_test() {
   std::vector<Isa> out;
-  for (Isa isa : {Isa::Avx2, Isa::Avx512, Isa::Neon, Isa::Avx2Int8, Isa::AvxVnni, Isa::Avx512Vnni, Isa::NeonDot})
+  for (Isa isa : {Isa::Avx2, Isa::Avx512, Isa::Neon, Isa::Avx2Int8, Isa::AvxVnni, Isa::Avx512Vnni, Isa::Amx, Isa::NeonDot})
     if (isa_available(isa)) out.push_back(isa);
   return out;
 }
@@ -142,6 +142,9 @@ void check_matvec() {
   std::vector<std::array<int, 3>> cases;
   for (auto [rows, cols] : {std::pair{1, 32}, {3, 40}, {17, 96}, {33, 257}, {130, 200}, {8, 1000}})
     for (int n : {1, 2, 3, 5, 7}) cases.push_back({rows, cols, n});
+  // prefills of whole and partial AMX tiles (16 rows, 16 tokens)
+  for (auto [rows, cols] : {std::pair{17, 96}, {33, 257}, {130, 200}})
+    for (int n : {16, 19, 35}) cases.push_back({rows, cols, n});
   cases.push_back({9, 8200, 37});
   for (Isa isa : isas_under_test())
     for (QuantType quant : quants)
@@ -317,7 +320,7 @@ void check_attention() {
       decode_attention_i8(q.data(), c.heads, c.dim, k8.data(), v8.data(), stride, stride, ks.data(), vs.data(),
                           c.length + 3, c.kv_heads, c.length, scale, got.data(), 2, isa, sk);
       // the integer VNNI task rounds queries and probabilities to 16 bits (about 1e-4 of the output)
-      const float i8_tol = isa == Isa::Avx512Vnni ? 2e-3f : 2e-5f;
+      const float i8_tol = has_avx512_vnni(isa) ? 2e-3f : 2e-5f;
       compare(got, want, std::vector<float>(out_n, i8_tol), std::string("attention int8 ") + isa_name(isa) + shape);
     }
 }

@@ -21,25 +21,30 @@ static_assert(kMxfp4Block == kQ4Block && kMxfp4BlockBytes == kQ4BlockBytes, "MXF
 inline constexpr float kE2m1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
                                     -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
 
-// Avx512Vnni, Avx2Int8, AvxVnni and NeonDot are opt-in: their Q4 and MXFP4 kernels quantise activations to
-// int8 (kernels_avx512.cpp, kernels_avx2.cpp, kernels_avx_vnni.cpp, kernels_neon.cpp), so none is what
-// best_isa() returns; everything else they run is their vector ISA's (vector_isa). Avx2Int8 and AvxVnni
-// agree bit for bit. The others compute with float activations and agree to float rounding. x86-64 builds
-// have Scalar and the Avx ones, AArch64 builds Scalar and the Neon ones.
+// Amx, Avx512Vnni, Avx2Int8, AvxVnni and NeonDot are opt-in: their Q4 and MXFP4 kernels quantise
+// activations to int8 (kernels_amx.cpp, kernels_avx512.cpp, kernels_avx2.cpp, kernels_avx_vnni.cpp,
+// kernels_neon.cpp), so none is what best_isa() returns; everything else they run is their vector ISA's
+// (vector_isa). Amx runs prefills on AMX-INT8 tiles and the rest as Avx512Vnni. Avx2Int8 and AvxVnni agree
+// bit for bit. The others compute with float activations and agree to float rounding. x86-64 builds have
+// Scalar, the Avx ones and Amx, AArch64 builds Scalar and the Neon ones.
 enum class Isa : int {
-  Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Vnni = 3, Avx2Int8 = 4, Neon = 5, NeonDot = 6, AvxVnni = 7
+  Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Vnni = 3, Avx2Int8 = 4, Neon = 5, NeonDot = 6, AvxVnni = 7, Amx = 8
 };
 
 // The float ISA under an int8-activation one: what its backbone, attention and recurrent kernels run.
 inline Isa vector_isa(Isa isa) {
   switch (isa) {
-    case Isa::Avx512Vnni: return Isa::Avx512;
+    case Isa::Avx512Vnni:
+    case Isa::Amx: return Isa::Avx512;
     case Isa::Avx2Int8:
     case Isa::AvxVnni: return Isa::Avx2;
     case Isa::NeonDot: return Isa::Neon;
     default: return isa;
   }
 }
+
+// Whether an ISA has AVX-512 VNNI's vpdpbusd (the int8 attention task, attention_i8.cpp).
+inline bool has_avx512_vnni(Isa isa) { return isa == Isa::Avx512Vnni || isa == Isa::Amx; }
 
 // Y[t, r] = sum_c W[r, c] * X[t, c] for t < n, r < rows; W is one quantised projection (codes + scales).
 // X rows are `ldx` floats apart, Y rows `ldy` floats apart. Every ISA sums a row in the same block order
@@ -91,6 +96,7 @@ IsaKernels avx512_kernels();
 IsaKernels avx512_vnni_kernels();
 IsaKernels avx2_int8_kernels();
 IsaKernels avx_vnni_kernels();
+IsaKernels amx_kernels();
 IsaKernels neon_kernels();
 IsaKernels neon_dot_kernels();
 IsaKernels kernels_for(Isa isa);  // the ISA must be this build's (isa_available)
@@ -98,11 +104,11 @@ bool isa_available(Isa isa);
 
 // What this CPU supports, at most what MOSAIC_ISA allows: a forced path for tests and benchmarks. It names a
 // float ISA (scalar, avx2, avx512 on x86-64; scalar, neon on AArch64), which caps best_isa(), or an int8 one
-// (avx512-vnni, avx-vnni, avx2-int8; neon-dot), which caps best_isa() at its float ISA and is int8_isa()
+// (amx, avx512-vnni, avx-vnni, avx2-int8; neon-dot), which caps best_isa() at its float ISA and is int8_isa()
 // where the CPU has it. An unknown MOSAIC_ISA, or one of another architecture, is reported once on stderr
 // and ignored.
 Isa best_isa();
-// The fastest int8-activation ISA under best_isa() (Avx512Vnni, AvxVnni, Avx2Int8; NeonDot), or Scalar where
+// The fastest int8-activation ISA under best_isa() (Amx, Avx512Vnni, AvxVnni, Avx2Int8; NeonDot), or Scalar where
 // there is none.
 Isa int8_isa();
 const char* isa_name(Isa isa);
