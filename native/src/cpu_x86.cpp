@@ -28,11 +28,14 @@ const Isa* int8_isas(int* count) {
 
 namespace {
 
-// Linux hands a process the AMX tile registers' state only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA), for all its threads; a kernel without AMX support refuses.
-bool amx_permitted() {
+// AMX tiles with VNNI beside them (kernels_amx.cpp needs both). Linux hands a process the tile registers'
+// state only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), for all its threads; a
+// kernel without AMX support refuses. Elsewhere (no AMX CPU runs macOS) there is no AMX path.
+bool amx_usable() {
 #if defined(__linux__)
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  static const bool ok = __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") &&
+                         __builtin_cpu_supports("avx512vnni") &&
+                         syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
   return ok;
 #else
   return false;
@@ -44,9 +47,7 @@ bool amx_permitted() {
 bool int8_runs(Isa isa) {
   __builtin_cpu_init();
   switch (isa) {
-    case Isa::Amx:
-      return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") &&
-             __builtin_cpu_supports("avx512vnni") && amx_permitted();
+    case Isa::Amx: return amx_usable();
     case Isa::Avx512Vnni: return __builtin_cpu_supports("avx512vnni");
     case Isa::AvxVnni: return __builtin_cpu_supports("avxvnni");
     case Isa::Avx2Int8: return true;  // AVX2's own instructions
