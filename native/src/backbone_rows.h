@@ -3,10 +3,15 @@
 // ISA they were given. Internal to native/src.
 #pragma once
 
+#include <omp.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
 #include "mosaic/kernels.h"
+
+#include "prefill_blocks.h"
 
 namespace mosaic::detail {
 
@@ -45,6 +50,22 @@ inline void for_tokens(int nt, F&& f) {
     case 3: f(std::integral_constant<int, 3>{}); break;
     case 2: f(std::integral_constant<int, 2>{}); break;
     default: f(std::integral_constant<int, 1>{}); break;
+  }
+}
+
+// f(r, t0, nt) for every row r < rows and every tile of nt <= kRowTokens tokens from t0, the rows split over
+// threads. A prompt's tokens go in blocks whose activations (cols floats a token) stay in L2, each block
+// through every row before the next: row by row over all tokens re-read a 512-token prompt's 4 MB of
+// activations from memory for every row (a router's bf16 rows ran at 17 GMAC/s on two threads). The tiles
+// are the same as without blocks, so the sums are too.
+template <typename F>
+inline void for_row_tiles(int rows, int cols, int n, int threads, F&& f) {
+  const int block = prefill_token_block(static_cast<size_t>(cols) * sizeof(float), kRowTokens);
+  for (int b0 = 0; b0 < n; b0 += block) {
+    const int b1 = std::min(n, b0 + block);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int r = 0; r < rows; ++r)
+      for (int t0 = b0; t0 < b1; t0 += kRowTokens) f(r, t0, std::min(kRowTokens, b1 - t0));
   }
 }
 

@@ -2,8 +2,6 @@
 // A bf16 value widens to float exactly (a 16-bit shift), so this is float arithmetic on the stored
 // weights, as transformers computes with them, only without a float32 copy in memory. The rows' inner
 // loops are per ISA (backbone_rows.h); this is the driver and the scalar reference.
-#include <omp.h>
-
 #include "backbone_rows.h"
 #include "mosaic/kernels.h"
 
@@ -60,14 +58,10 @@ BackboneRows backbone_rows(Isa vector) {
 
 void linear_bf16(const uint16_t* w, int rows, int cols, const float* x, int n, float* y, int threads, Isa isa) {
   const detail::Bf16RowFn row = detail::backbone_rows(vector_isa(isa)).bf16;
-  constexpr int tile = detail::kRowTokens;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int r = 0; r < rows; ++r) {
-    const uint16_t* wr = w + static_cast<uint64_t>(r) * cols;
-    for (int t0 = 0; t0 < n; t0 += tile)
-      row(wr, cols, x + static_cast<uint64_t>(t0) * cols, cols, n - t0 < tile ? n - t0 : tile,
-          y + static_cast<uint64_t>(t0) * rows + r, rows);
-  }
+  detail::for_row_tiles(rows, cols, n, threads, [&](int r, int t0, int nt) {
+    row(w + static_cast<uint64_t>(r) * cols, cols, x + static_cast<uint64_t>(t0) * cols, cols, nt,
+        y + static_cast<uint64_t>(t0) * rows + r, rows);
+  });
 }
 
 }  // namespace mosaic

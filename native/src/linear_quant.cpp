@@ -15,14 +15,10 @@ void linear_quant(const uint8_t* w, const float* scales, bool fp8, int rows, int
                   float* y, int threads, Isa isa) {
   const detail::BackboneRows rows_of = detail::backbone_rows(vector_isa(isa));
   const detail::CodeRowFn row = fp8 ? rows_of.fp8 : rows_of.int8;
-  constexpr int tile = detail::kRowTokens;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int r = 0; r < rows; ++r) {
-    const uint8_t* wr = w + static_cast<uint64_t>(r) * cols;
-    for (int t0 = 0; t0 < n; t0 += tile)
-      row(wr, cols, x + static_cast<uint64_t>(t0) * cols, cols, n - t0 < tile ? n - t0 : tile, scales[r],
-          y + static_cast<uint64_t>(t0) * rows + r, rows);
-  }
+  detail::for_row_tiles(rows, cols, n, threads, [&](int r, int t0, int nt) {
+    row(w + static_cast<uint64_t>(r) * cols, cols, x + static_cast<uint64_t>(t0) * cols, cols, nt, scales[r],
+        y + static_cast<uint64_t>(t0) * rows + r, rows);
+  });
 }
 
 void linear_q4(const uint8_t* codes, const uint16_t* scales, int rows, int cols, const float* x, int n, float* y,
