@@ -201,7 +201,7 @@ MOSAIC_AMX void row_tile(const int8_t* wa, const float* wd, const int8_t* xb, co
 
 template <typename Codes>
 MOSAIC_AMX void amx_matvec(const MatvecArgs& a, MatvecFn vnni) {
-  if (a.n < kMinTokens) return vnni(a);
+  if (a.n < kMinTokens || a.rows <= 0 || a.cols <= 0) return vnni(a);
   thread_local TiledX tx;
   thread_local TiledW tw;
   static const TileConfig config = tile_config();
