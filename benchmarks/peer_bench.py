@@ -308,7 +308,7 @@ def main() -> None:
         if limit:
             print(f"(b): cgroup limit {limit / 1e9:.2f} GB; Mosaic's ring {(limit - ENGINE_BYTES) / 1e9:.2f} GB")
         runs: dict[str, list[dict]] = {}
-        failures: dict[str, list[str]] = {}  # llama.cpp configurations whose worker died (AMX CPUs: see README)
+        failures: dict[str, list[str]] = {}  # llama.cpp configurations whose worker died (AMX: docstring)
         bws = []
         llama_configs = LLAMA_MXFP4_CONFIGS if case in MXFP4_CASES else LLAMA_CONFIGS
         if limit:  # repacked, it made no progress under the limit

@@ -10,8 +10,9 @@
 // x is quantised once per call to int8 per 32-block (scale sx = amax/127, rounded to nearest even), as the
 // VNNI kernel does. 32 bytes of codes are two blocks: their low nibbles (elements 0..15 of each) and high
 // nibbles (16..31) meet the activations laid out the same way, [b0 0..15, b1 0..15] then [b0 16..31, b1
-// 16..31]. pair_dots sums code x activation products into 8 int32 lanes, four a block, and each lane is scaled by d (weight block) * sx (activation block). The codes' offset of 8 is taken
-// out once per block: d * 8 * sx * sum(q). Activations lose about 0.4 % (int8); weights are exact.
+// 16..31]. pair_dots sums code x activation products into 8 int32 lanes, four a block, and each lane is
+// scaled by d (weight block) * sx (activation block). The codes' offset of 8 is taken out once per block:
+// d * 8 * sx * sum(q). Activations lose about 0.4 % (int8); weights are exact.
 constexpr int kInt8Group = 8;         // blocks whose scales are converted with one vcvtph2ps
 constexpr int kInt8Prefetch = 4096;   // bytes ahead in the row stream
 constexpr int kInt8ScalePrefetch = 512;
