@@ -113,4 +113,5 @@ def test_fuzz_slice(tmp_path, target):
                           "--seed", "7", "--work", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads(res.stdout.strip().splitlines()[-1])
-    assert report["executed"] == 2000 and not report["finding"]
+    # at least the runs asked: libFuzzer once executed 2,004 of 2,000 in CI (its count is not exact)
+    assert report["executed"] is not None and report["executed"] >= 2000 and not report["finding"]
