@@ -104,14 +104,14 @@ MOSAIC_AVX2 inline __m256 group_scales(const Scale* group, int nb) {
 }
 
 // One row against NT tokens' quantised x (a prefill's). Per 32 bytes of codes (two blocks): one load and
-// the two nibble masks, shared by the tokens, then per token its pair_dots, one
-// convert, the scale permute and one FMA. One accumulator a token: the tokens' FMA chains interleave, and
+// the two nibble masks, shared by the tokens, then per token its pair_dots, one convert, the scale permute
+// and one FMA. One accumulator a token: the tokens' FMA chains interleave, and
 // fewer live registers keep them out of the stack (two a token spilled them, and the loop ran at a third
 // of its issue rate).
 template <int NT, typename Codes, typename Scale>
 MOSAIC_INT8_TARGET void int8_row(const uint8_t* row, const Scale* rs, int blocks, int groups, const int8_t* q,
-                                 size_t q_stride,
-                          const float* sx, const float* off, size_t s_stride, float* y, int64_t ldy) {
+                                 size_t q_stride, const float* sx, const float* off, size_t s_stride, float* y,
+                                 int64_t ldy) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   // 2 * e2m1 + 12 by code, in each 128-bit lane for vpshufb
   const __m256i table = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
@@ -153,8 +153,8 @@ MOSAIC_INT8_TARGET void int8_row(const uint8_t* row, const Scale* rs, int blocks
 // group costs one convert, one permute and one FMA where a step each took them. Kept apart from
 // int8_row<1>: the compiler schedules this form better.
 template <typename Codes, typename Scale>
-MOSAIC_INT8_TARGET float int8_row_one(const uint8_t* row, const Scale* rs, int blocks, int groups, const int8_t* q,
-                           const float* sx, const float* off) {
+MOSAIC_INT8_TARGET float int8_row_one(const uint8_t* row, const Scale* rs, int blocks, int groups,
+                                      const int8_t* q, const float* sx, const float* off) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   // 2 * e2m1 + 12 by code, in each 128-bit lane for vpshufb
   const __m256i table = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
@@ -193,7 +193,7 @@ MOSAIC_INT8_TARGET float int8_row_one(const uint8_t* row, const Scale* rs, int b
   return avx2::reduce(_mm256_add_ps(acc0, acc1));
 }
 
-// Tokens a prefill step shares a row's unpacked codes among: two keep every accumulator in the 16 registers.
+// Tokens a prefill step shares a row's unpacked codes among: four keep every accumulator in the 16 registers.
 constexpr int kInt8Tokens = 4;
 
 // Q4 (f16 scales) or MXFP4 (E8M0 scales) against int8 activations.

@@ -212,7 +212,7 @@ MOSAIC_AMX void amx_matvec(const MatvecArgs& a, MatvecFn vnni) {
   for (int t0 = 0; t0 < a.n; t0 += block_tokens) {
     const int t1 = std::min(a.n, t0 + block_tokens);
     tile_x<Codes>(a, t0, t1, blocks, tiled, tx);
-    for (int r0 = 0; r0 < a.rows; r0 += kTile) {
+    for (int r0 = 0; r0 < a.rows; r0 += kTile) {  // each row tile unpacked once a token block (hundreds)
       tile_w<Codes>(a, r0, blocks, tiled, tw);
       row_tile(tw.codes.data(), tw.d.data(), tx.b.data(), tx.sx.data(), pairs, t0, t1, r0,
                std::min(kTile, a.rows - r0), a.y, a.ldy);
@@ -221,8 +221,14 @@ MOSAIC_AMX void amx_matvec(const MatvecArgs& a, MatvecFn vnni) {
   _tile_release();
 }
 
-void q4_amx(const MatvecArgs& a) { amx_matvec<Q4Codes>(a, avx512_vnni_kernels().q4); }
-void mxfp4_amx(const MatvecArgs& a) { amx_matvec<Mxfp4Codes>(a, avx512_vnni_kernels().mxfp4); }
+void q4_amx(const MatvecArgs& a) {
+  static const MatvecFn vnni = avx512_vnni_kernels().q4;
+  amx_matvec<Q4Codes>(a, vnni);
+}
+void mxfp4_amx(const MatvecArgs& a) {
+  static const MatvecFn vnni = avx512_vnni_kernels().mxfp4;
+  amx_matvec<Mxfp4Codes>(a, vnni);
+}
 
 }  // namespace
 

@@ -45,21 +45,19 @@ std::vector<Isa> nameable_isas() {
 }
 
 // MOSAIC_ISA's choice, or nothing when it is unset or not one of nameable_isas() (reported once on stderr).
-std::optional<Isa> forced_isa() {
-  const char* env = std::getenv("MOSAIC_ISA");
-  if (env == nullptr || *env == '\0') return std::nullopt;
-  const std::vector<Isa> isas = nameable_isas();
-  for (Isa isa : isas)
-    if (std::strcmp(env, isa_name(isa)) == 0) return isa;
-  std::string names;
-  for (Isa isa : isas) names += std::string(names.empty() ? "" : ", ") + isa_name(isa);
-  std::fprintf(stderr, "mosaic: MOSAIC_ISA=%s is not one of %s; ignored\n", env, names.c_str());
-  return std::nullopt;
-}
-
 std::optional<Isa> forced() {
-  static const std::optional<Isa> isa = forced_isa();
-  return isa;
+  static const std::optional<Isa> choice = []() -> std::optional<Isa> {
+    const char* env = std::getenv("MOSAIC_ISA");
+    if (env == nullptr || *env == '\0') return std::nullopt;
+    const std::vector<Isa> isas = nameable_isas();
+    for (Isa isa : isas)
+      if (std::strcmp(env, isa_name(isa)) == 0) return isa;
+    std::string names;
+    for (Isa isa : isas) names += std::string(names.empty() ? "" : ", ") + isa_name(isa);
+    std::fprintf(stderr, "mosaic: MOSAIC_ISA=%s is not one of %s; ignored\n", env, names.c_str());
+    return std::nullopt;
+  }();
+  return choice;
 }
 
 // The fastest int8-activation ISA the hardware runs whose float ISA is at most `vector`, or Scalar.

@@ -53,7 +53,8 @@ uint8_t e4m3_code() {
 // Each ISA of this build but the scalar one, float ones first.
 std::vector<Isa> isas_under_test() {
   std::vector<Isa> out;
-  for (Isa isa : {Isa::Avx2, Isa::Avx512, Isa::Neon, Isa::Avx2Int8, Isa::AvxVnni, Isa::Avx512Vnni, Isa::Amx, Isa::NeonDot})
+  for (Isa isa : {Isa::Avx2, Isa::Avx512, Isa::Neon, Isa::Avx2Int8, Isa::AvxVnni, Isa::Avx512Vnni, Isa::Amx,
+                  Isa::NeonDot})
     if (isa_available(isa)) out.push_back(isa);
   return out;
 }
