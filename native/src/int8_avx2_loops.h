@@ -211,24 +211,25 @@ MOSAIC_INT8_TARGET void int8_matvec(const MatvecArgs& a) {
                                    qx.sx.data(), qx.off.data());
     return;
   }
-  // A prefill: the tokens in blocks whose quantised activations stay in L2 (prefill_blocks.h).
+  // A prefill: row panels in L2, token tiles in L1 (prefill_blocks.h).
   const size_t q_stride = static_cast<size_t>(pairs) * 64, s_stride = static_cast<size_t>(groups) * kInt8Group;
-  const int block = detail::prefill_token_block(q_stride, kInt8Tokens);
-  for (int t0 = 0; t0 < a.n; t0 += block) {
-    const int t1 = std::min(a.n, t0 + block);
-    for (int r = 0; r < a.rows; ++r) {
-      const uint8_t* row = a.codes + static_cast<uint64_t>(r) * blocks * kQ4Bytes;
-      const Scale* rs = scales + static_cast<uint64_t>(r) * blocks;
-      for (int t = t0; t < t1; t += kInt8Tokens) {  // the tokens share each row's unpacked codes
-        const int8_t* q = qx.q.data() + t * q_stride;
-        const float *sx = qx.sx.data() + t * s_stride, *off = qx.off.data() + t * s_stride;
-        float* y = a.y + static_cast<uint64_t>(t) * a.ldy + r;
-        switch (std::min(kInt8Tokens, t1 - t)) {
-          case 4: int8_row<4, Codes>(row, rs, blocks, groups, q, q_stride, sx, off, s_stride, y, a.ldy); break;
-          case 3: int8_row<3, Codes>(row, rs, blocks, groups, q, q_stride, sx, off, s_stride, y, a.ldy); break;
-          case 2: int8_row<2, Codes>(row, rs, blocks, groups, q, q_stride, sx, off, s_stride, y, a.ldy); break;
-          default: int8_row<1, Codes>(row, rs, blocks, groups, q, q_stride, sx, off, s_stride, y, a.ldy);
-        }
+  const int panel = detail::prefill_row_panel(static_cast<size_t>(blocks) * kQ4Bytes);
+  auto tile = [&](auto tokens, int r0, int r1, int t) MOSAIC_INT8_TARGET {
+    constexpr int nt = decltype(tokens)::value;
+    for (int r = r0; r < r1; ++r)  // the tile's tokens share each row's unpacked codes
+      int8_row<nt, Codes>(a.codes + static_cast<uint64_t>(r) * blocks * kQ4Bytes,
+                          scales + static_cast<uint64_t>(r) * blocks, blocks, groups, qx.q.data() + t * q_stride,
+                          q_stride, qx.sx.data() + t * s_stride, qx.off.data() + t * s_stride, s_stride,
+                          a.y + static_cast<uint64_t>(t) * a.ldy + r, a.ldy);
+  };
+  for (int r0 = 0; r0 < a.rows; r0 += panel) {
+    const int r1 = std::min(a.rows, r0 + panel);
+    for (int t = 0; t < a.n; t += kInt8Tokens) {
+      switch (std::min(kInt8Tokens, a.n - t)) {
+        case 4: tile(std::integral_constant<int, 4>(), r0, r1, t); break;
+        case 3: tile(std::integral_constant<int, 3>(), r0, r1, t); break;
+        case 2: tile(std::integral_constant<int, 2>(), r0, r1, t); break;
+        default: tile(std::integral_constant<int, 1>(), r0, r1, t);
       }
     }
   }
