@@ -35,7 +35,7 @@ def isas_of(choice: str) -> list[int]:
         if isa is None:
             sys.exit("this CPU has no int8-activation ISA")
         return [isa]
-    every = (K.SCALAR, K.AVX2, K.AVX512, K.AVX512_VNNI, K.AMX, K.AVX_VNNI, K.AVX2_INT8, K.NEON, K.NEON_DOT)
+    every = (K.SCALAR, K.AVX2, K.AVX512, K.AVX512_VNNI, K.AMX, K.AVX_VNNI, K.AVX2_INT8, K.NEON, K.NEON_DOT, K.NEON_I8MM)
     by_name = {K.isa_name(i): i for i in every}
     isas = []
     for name in choice.split(","):

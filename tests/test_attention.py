@@ -39,7 +39,8 @@ CACHED_I8_ISA = K.AVX512_VNNI if K.isa_available(K.AVX512_VNNI) else K.best_isa(
 
 
 def isas():
-    return [i for i in (K.SCALAR, K.AVX2, K.AVX512, K.AVX512_VNNI, K.AMX, K.AVX2_INT8, K.AVX_VNNI, K.NEON, K.NEON_DOT)
+    return [i for i in (K.SCALAR, K.AVX2, K.AVX512, K.AVX512_VNNI, K.AMX, K.AVX2_INT8, K.AVX_VNNI, K.NEON, K.NEON_DOT,
+                      K.NEON_I8MM)
             if K.isa_available(i)]
 
 

@@ -22,7 +22,8 @@ from mosaic_runtime.vault.record import dequantize_record, pack_record, record_b
 K = _native.kernels
 ISAS = [isa for isa in (K.SCALAR, K.AVX2, K.AVX512, K.NEON) if K.isa_available(isa)]
 # The int8-activation ISAs this CPU runs: their Q4 matvec rounds activations, the rest is their float ISA's.
-INT8_ISAS = [isa for isa in (K.AVX2_INT8, K.AVX_VNNI, K.AVX512_VNNI, K.AMX, K.NEON_DOT) if K.isa_available(isa)]
+INT8_ISAS = [isa for isa in (K.AVX2_INT8, K.AVX_VNNI, K.AVX512_VNNI, K.AMX, K.NEON_DOT, K.NEON_I8MM)
+             if K.isa_available(isa)]
 
 
 def as_bytes(t: torch.Tensor) -> np.ndarray:
@@ -185,9 +186,10 @@ def test_avx_vnni_agrees_with_the_avx2_int8_loop_bit_for_bit(rows, cols, n, seed
 
 @pytest.mark.skipif(not INT8_ISAS, reason="no int8-activation ISA on this CPU")
 @pytest.mark.parametrize("quant", [QuantType.Q4_G32, QuantType.MXFP4_G32])
-@pytest.mark.parametrize("rows,cols,n", [(17, 96, 16), (33, 257, 19), (130, 600, 35), (5, 2048, 70)])
+@pytest.mark.parametrize("rows,cols,n", [(17, 96, 16), (33, 257, 19), (130, 600, 35), (5, 2048, 70), (150, 4100, 21)])
 def test_int8_prefills_match_their_reference(rows, cols, n, quant):
-    # Prefill-sized calls: AMX takes them in 16 x 16 tiles (whole and partial), the other loops in token tiles.
+    # Prefill-sized calls: AMX takes them in 16 x 16 tiles (whole and partial), the other loops in token tiles
+    # over panels of rows (150 rows of 4100 columns are five, the last one short).
     codes, scales, sdt, w = quantised(quant, rows, cols, rows + cols + n)
     x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n))
     ref = int8_activation_reference(x, w)
@@ -307,6 +309,6 @@ def test_mosaic_isa_caps_the_kernels_and_reports_a_bad_value():
             assert _isa_report("avx-vnni").stdout.split() == [str(K.AVX2), str(K.AVX_VNNI)]
     bad = _isa_report("avx9000")
     assert bad.stdout.split() == hardware
-    names = ("scalar, neon, neon-dot" if K.isa_available(K.NEON)  # this build's architecture
+    names = ("scalar, neon, neon-i8mm, neon-dot" if K.isa_available(K.NEON)  # this build's architecture
              else "scalar, avx2, avx512, amx, avx512-vnni, avx-vnni, avx2-int8")
     assert f"MOSAIC_ISA=avx9000 is not one of {names}; ignored" in bad.stderr

@@ -135,13 +135,14 @@ void init_kernels(nb::module_& m) {
   k.attr("AMX") = static_cast<int>(Isa::Amx);
   k.attr("NEON") = static_cast<int>(Isa::Neon);
   k.attr("NEON_DOT") = static_cast<int>(Isa::NeonDot);
+  k.attr("NEON_I8MM") = static_cast<int>(Isa::NeonI8mm);
   k.def("isa_available", [](int isa) { return isa_available(Isa(isa)); });
   k.def("best_isa", [] { return static_cast<int>(best_isa()); });
   k.def("int8_isa", []() -> std::optional<int> {
     const Isa isa = int8_isa();
     if (isa == Isa::Scalar) return std::nullopt;
     return static_cast<int>(isa);
-  }, "the int8-activation ISA of this CPU (AMX, AVX512_VNNI, AVX_VNNI, AVX2_INT8 or NEON_DOT), or None");
+  }, "the int8-activation ISA of this CPU (AMX, AVX512_VNNI, AVX_VNNI, AVX2_INT8, NEON_I8MM or NEON_DOT), or None");
   k.def("isa_name", [](int isa) { return std::string(isa_name(Isa(isa))); });
   k.def("matvec",
         [](int isa, uint32_t quant, uint32_t scale_dtype, Bytes codes, Bytes scales, int rows, int cols, Matrix x,

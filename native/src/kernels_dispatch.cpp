@@ -109,6 +109,7 @@ const char* isa_name(Isa isa) {
     case Isa::Avx2: return "avx2";
     case Isa::Neon: return "neon";
     case Isa::NeonDot: return "neon-dot";
+    case Isa::NeonI8mm: return "neon-i8mm";
     default: return "scalar";
   }
 }
@@ -125,6 +126,7 @@ IsaKernels kernels_for(Isa isa) {
 #elif defined(MOSAIC_ARM)
     case Isa::Neon: return neon_kernels();
     case Isa::NeonDot: return neon_dot_kernels();
+    case Isa::NeonI8mm: return neon_i8mm_kernels();
 #endif
     default: return scalar_kernels();
   }

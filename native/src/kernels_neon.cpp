@@ -1,7 +1,7 @@
 // NEON expert kernels (AArch64): the float ones widen codes to float and multiply-add four lanes at a
 // time, four tokens sharing each widened block; partial last blocks go through the reference's arithmetic.
 // Isa::NeonDot runs Q4 and MXFP4 against int8 activations with SDOT (FEAT_DotProd), as llama.cpp's NEON
-// Q4_0 path does.
+// Q4_0 path does; Isa::NeonI8mm runs a prefill's rows and tokens in 2 x 2 tiles with SMMLA (FEAT_I8MM).
 #include <arm_neon.h>
 
 #include <algorithm>
@@ -9,12 +9,15 @@
 #include <vector>
 
 #include "mosaic/kernels.h"
+#include "prefill_blocks.h"
 #include "simd_neon.h"
 
 #if defined(__clang__)
 #define MOSAIC_DOTPROD __attribute__((target("dotprod")))
+#define MOSAIC_I8MM __attribute__((target("dotprod,i8mm")))
 #else
 #define MOSAIC_DOTPROD __attribute__((target("arch=armv8.2-a+dotprod")))
+#define MOSAIC_I8MM __attribute__((target("arch=armv8.2-a+dotprod+i8mm")))
 #endif
 
 namespace mosaic {
@@ -182,48 +185,161 @@ void quantise_x(const MatvecArgs& a, int blocks, QuantisedX& out) {
   }
 }
 
+// Row r's block b as signed integers, elements 0..15 in w0 and 16..31 in w1, and its scale (MXFP4's halved,
+// its codes being doubled).
+template <bool Mx>
+inline float signed_block(const MatvecArgs& a, const uint8_t* row, uint64_t s0, int b, int8x16_t& w0, int8x16_t& w1) {
+  if constexpr (Mx) {
+    mxfp4_codes(row + b * kQ4Bytes, w0, w1);
+    return 0.5f * e8m0_to_f32(static_cast<const uint8_t*>(a.scales)[s0 + b]);
+  } else {
+    const uint8x16_t v = vld1q_u8(row + b * kQ4Bytes), low4 = vdupq_n_u8(0x0F);
+    w0 = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(v, low4)), vdupq_n_s8(8));
+    w1 = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(v, 4)), vdupq_n_s8(8));
+    return f16_to_f32(static_cast<const uint16_t*>(a.scales)[s0 + b]);
+  }
+}
+
+// Rows [r0, r1) against tokens [t0, t0 + nt), nt <= kTokTile.
+template <bool Mx>
+MOSAIC_DOTPROD void sdot_rows(const MatvecArgs& a, const QuantisedX& qx, int blocks, int r0, int r1, int t0, int nt) {
+  for (int r = r0; r < r1; ++r) {
+    const uint8_t* row = a.codes + static_cast<uint64_t>(r) * blocks * kQ4Bytes;
+    const uint64_t s0 = static_cast<uint64_t>(r) * blocks;
+    float32x4_t acc[kTokTile] = {vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f)};
+    for (int b = 0; b < blocks; ++b) {
+      int8x16_t w0, w1;
+      const float d = signed_block<Mx>(a, row, s0, b, w0, w1);
+      for (int t = 0; t < nt; ++t) {
+        const size_t at = static_cast<size_t>(t0 + t) * blocks + b;
+        const int8_t* q = qx.q.data() + at * kQ4;
+        const int32x4_t dot = vdotq_s32(vdotq_s32(vdupq_n_s32(0), w0, vld1q_s8(q)), w1, vld1q_s8(q + 16));
+        acc[t] = vfmaq_n_f32(acc[t], vcvtq_f32_s32(dot), d * qx.sx[at]);
+      }
+    }
+    for (int t = 0; t < nt; ++t) a.y[static_cast<uint64_t>(t0 + t) * a.ldy + r] = vaddvq_f32(acc[t]);
+  }
+}
+
 template <bool Mx>
 MOSAIC_DOTPROD void int8_matvec(const MatvecArgs& a) {
   thread_local QuantisedX qx;
   const int blocks = (a.cols + kQ4 - 1) / kQ4;
   quantise_x(a, blocks, qx);
-  const uint8x16_t low4 = vdupq_n_u8(0x0F);
-  for (int r = 0; r < a.rows; ++r) {
-    const uint8_t* row = a.codes + static_cast<uint64_t>(r) * blocks * kQ4Bytes;
-    const uint64_t s0 = static_cast<uint64_t>(r) * blocks;
-    for (int t0 = 0; t0 < a.n; t0 += kTokTile) {
-      const int nt = std::min(kTokTile, a.n - t0);
-      float32x4_t acc[kTokTile] = {vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f)};
-      for (int b = 0; b < blocks; ++b) {
-        int8x16_t w0, w1;  // elements 0..15 and 16..31 of the block, as signed integers
-        float d;
-        if constexpr (Mx) {
-          mxfp4_codes(row + b * kQ4Bytes, w0, w1);
-          d = 0.5f * e8m0_to_f32(static_cast<const uint8_t*>(a.scales)[s0 + b]);
-        } else {
-          const uint8x16_t v = vld1q_u8(row + b * kQ4Bytes);
-          w0 = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(v, low4)), vdupq_n_s8(8));
-          w1 = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(v, 4)), vdupq_n_s8(8));
-          d = f16_to_f32(static_cast<const uint16_t*>(a.scales)[s0 + b]);
-        }
-        for (int t = 0; t < nt; ++t) {
-          const size_t at = static_cast<size_t>(t0 + t) * blocks + b;
-          const int8_t* q = qx.q.data() + at * kQ4;
-          const int32x4_t dot = vdotq_s32(vdotq_s32(vdupq_n_s32(0), w0, vld1q_s8(q)), w1, vld1q_s8(q + 16));
-          acc[t] = vfmaq_n_f32(acc[t], vcvtq_f32_s32(dot), d * qx.sx[at]);
-        }
-      }
-      for (int t = 0; t < nt; ++t) a.y[static_cast<uint64_t>(t0 + t) * a.ldy + r] = vaddvq_f32(acc[t]);
+  // Row panels in L2, token tiles in L1 (prefill_blocks.h).
+  const int panel = a.n > kTokTile ? detail::prefill_row_panel(static_cast<size_t>(blocks) * kQ4Bytes) : a.rows;
+  for (int r0 = 0; r0 < a.rows; r0 += panel)
+    for (int t0 = 0; t0 < a.n; t0 += kTokTile)
+      sdot_rows<Mx>(a, qx, blocks, r0, std::min(a.rows, r0 + panel), t0, std::min(kTokTile, a.n - t0));
+}
+
+// --- A prefill in 2 x 2 tiles (SMMLA, FEAT_I8MM) --------------------------------------------------
+// SMMLA multiplies a 2 x 8 matrix of int8 by the transpose of another into 2 x 2 int32 sums: two rows' 8
+// codes against two tokens' 8 activations. A block of 32 is four of them for four row-token sums, where
+// SDOT takes eight instructions; each 2 x 2 is then scaled by [d0 s0, d0 s1, d1 s0, d1 s1]. The quantised
+// activations (the SDOT loop's, so the two round alike) are interleaved by token pair once per call; a lone
+// last token pairs with a zero one, a lone last row with itself. A decode step (one token) runs SDOT.
+struct PairedX {
+  std::vector<int8_t> q;  // [pairs][blocks][4][2][8]: chunk c of a block is its elements 8c..8c+7, each token's
+  std::vector<float> sx;  // [pairs][blocks][4]: s0, s1, s0, s1, the order of SMMLA's sums
+};
+
+inline int8x16_t zip_lo(int8x16_t x, int8x16_t y) {  // x's first 8 bytes, then y's
+  return vreinterpretq_s8_s64(vzip1q_s64(vreinterpretq_s64_s8(x), vreinterpretq_s64_s8(y)));
+}
+inline int8x16_t zip_hi(int8x16_t x, int8x16_t y) {  // x's last 8 bytes, then y's
+  return vreinterpretq_s8_s64(vzip2q_s64(vreinterpretq_s64_s8(x), vreinterpretq_s64_s8(y)));
+}
+
+void pair_tokens(const QuantisedX& qx, int n, int blocks, PairedX& out) {
+  const int pairs = (n + 1) / 2;
+  out.q.assign(static_cast<size_t>(pairs) * blocks * 64, 0);  // capacity kept across calls
+  out.sx.assign(static_cast<size_t>(pairs) * blocks * 4, 0.f);
+  for (int p = 0; p < pairs; ++p) {
+    const size_t t0 = 2 * static_cast<size_t>(p);
+    const bool two = static_cast<int>(t0) + 1 < n;
+    for (int b = 0; b < blocks; ++b) {
+      const size_t at = t0 * blocks + b;
+      const int8_t* x0 = qx.q.data() + at * kQ4;
+      const int8x16_t zero = vdupq_n_s8(0);
+      const int8x16_t a0 = vld1q_s8(x0), a1 = vld1q_s8(x0 + 16);
+      const int8x16_t b0 = two ? vld1q_s8(x0 + static_cast<size_t>(blocks) * kQ4) : zero;
+      const int8x16_t b1 = two ? vld1q_s8(x0 + static_cast<size_t>(blocks) * kQ4 + 16) : zero;
+      int8_t* o = out.q.data() + (static_cast<size_t>(p) * blocks + b) * 64;
+      vst1q_s8(o, zip_lo(a0, b0));
+      vst1q_s8(o + 16, zip_hi(a0, b0));
+      vst1q_s8(o + 32, zip_lo(a1, b1));
+      vst1q_s8(o + 48, zip_hi(a1, b1));
+      const float s0 = qx.sx[at], s1 = two ? qx.sx[at + blocks] : 0.f;
+      float* s = out.sx.data() + (static_cast<size_t>(p) * blocks + b) * 4;
+      s[0] = s0, s[1] = s1, s[2] = s0, s[3] = s1;
     }
   }
 }
 
+constexpr int kPairTile = 4;  // token pairs a row pair's unpacked codes serve
+
+// Row pairs from r0 (r1 exclusive) against token pairs [p0, p0 + np), np <= kPairTile.
+template <bool Mx>
+MOSAIC_I8MM void smmla_rows(const MatvecArgs& a, const PairedX& px, int blocks, int r0, int r1, int p0, int np) {
+  for (int r = r0; r < r1; r += 2) {
+    const bool two_rows = r + 1 < r1;
+    const uint8_t* row0 = a.codes + static_cast<uint64_t>(r) * blocks * kQ4Bytes;
+    const uint8_t* row1 = two_rows ? row0 + static_cast<uint64_t>(blocks) * kQ4Bytes : row0;
+    const uint64_t s0 = static_cast<uint64_t>(r) * blocks, s1 = two_rows ? s0 + blocks : s0;
+    float32x4_t acc[kPairTile] = {vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f)};
+    for (int b = 0; b < blocks; ++b) {
+      int8x16_t u0, u1, v0, v1;
+      const float d0 = signed_block<Mx>(a, row0, s0, b, u0, u1), d1 = signed_block<Mx>(a, row1, s1, b, v0, v1);
+      const int8x16_t m0 = zip_lo(u0, v0), m1 = zip_hi(u0, v0), m2 = zip_lo(u1, v1), m3 = zip_hi(u1, v1);
+      const float32x4_t d = vcombine_f32(vdup_n_f32(d0), vdup_n_f32(d1));
+      for (int i = 0; i < np; ++i) {
+        const size_t at = static_cast<size_t>(p0 + i) * blocks + b;
+        const int8_t* q = px.q.data() + at * 64;
+        int32x4_t sums = vmmlaq_s32(vdupq_n_s32(0), m0, vld1q_s8(q));
+        sums = vmmlaq_s32(sums, m1, vld1q_s8(q + 16));
+        sums = vmmlaq_s32(sums, m2, vld1q_s8(q + 32));
+        sums = vmmlaq_s32(sums, m3, vld1q_s8(q + 48));
+        acc[i] = vfmaq_f32(acc[i], vcvtq_f32_s32(sums), vmulq_f32(d, vld1q_f32(px.sx.data() + at * 4)));
+      }
+    }
+    for (int i = 0; i < np; ++i) {
+      const int t = 2 * (p0 + i);
+      float* y0 = a.y + static_cast<uint64_t>(t) * a.ldy + r;
+      y0[0] = vgetq_lane_f32(acc[i], 0);
+      if (two_rows) y0[1] = vgetq_lane_f32(acc[i], 2);
+      if (t + 1 < a.n) {
+        y0[a.ldy] = vgetq_lane_f32(acc[i], 1);
+        if (two_rows) y0[a.ldy + 1] = vgetq_lane_f32(acc[i], 3);
+      }
+    }
+  }
+}
+
+template <bool Mx>
+MOSAIC_I8MM void int8_matmul(const MatvecArgs& a) {
+  if (a.n == 1) return int8_matvec<Mx>(a);
+  thread_local QuantisedX qx;
+  thread_local PairedX px;
+  const int blocks = (a.cols + kQ4 - 1) / kQ4, pairs = (a.n + 1) / 2;
+  quantise_x(a, blocks, qx);
+  pair_tokens(qx, a.n, blocks, px);
+  // Row panels in L2 (an even number of rows), token tiles in L1 (prefill_blocks.h).
+  const int panel = std::max(2, detail::prefill_row_panel(static_cast<size_t>(blocks) * kQ4Bytes) / 2 * 2);
+  for (int r0 = 0; r0 < a.rows; r0 += panel)
+    for (int p0 = 0; p0 < pairs; p0 += kPairTile)
+      smmla_rows<Mx>(a, px, blocks, r0, std::min(a.rows, r0 + panel), p0, std::min(kPairTile, pairs - p0));
+}
+
 void q4_neon_dot(const MatvecArgs& a) { int8_matvec<false>(a); }
 void mxfp4_neon_dot(const MatvecArgs& a) { int8_matvec<true>(a); }
+void q4_neon_i8mm(const MatvecArgs& a) { int8_matmul<false>(a); }
+void mxfp4_neon_i8mm(const MatvecArgs& a) { int8_matmul<true>(a); }
 
 }  // namespace
 
 IsaKernels neon_kernels() { return {q4_neon, fp8_neon, mxfp4_neon}; }
 IsaKernels neon_dot_kernels() { return {q4_neon_dot, fp8_neon, mxfp4_neon_dot}; }
+IsaKernels neon_i8mm_kernels() { return {q4_neon_i8mm, fp8_neon, mxfp4_neon_i8mm}; }
 
 }  // namespace mosaic

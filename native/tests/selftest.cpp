@@ -54,7 +54,7 @@ uint8_t e4m3_code() {
 std::vector<Isa> isas_under_test() {
   std::vector<Isa> out;
   for (Isa isa : {Isa::Avx2, Isa::Avx512, Isa::Neon, Isa::Avx2Int8, Isa::AvxVnni, Isa::Avx512Vnni, Isa::Amx,
-                  Isa::NeonDot})
+                  Isa::NeonDot, Isa::NeonI8mm})
     if (isa_available(isa)) out.push_back(isa);
   return out;
 }
@@ -138,8 +138,8 @@ Matrix random_matrix(QuantType quant, int rows, int cols) {
 
 void check_matvec() {
   const QuantType quants[] = {QuantType::Q4_G32, QuantType::FP8_B128, QuantType::MXFP4_G32};
-  // {rows, cols, tokens}: every remainder of the int8 loops' token tiles, and (8200 columns, 37 tokens) a
-  // prefill whose activations span several of the AVX2 loop's L2-sized token blocks
+  // {rows, cols, tokens}: every remainder of the int8 loops' token tiles (and of SMMLA's row and token pairs),
+  // and rows of 8200 columns, whose prefills go in several 64 KB row panels (the last one short, and odd)
   std::vector<std::array<int, 3>> cases;
   for (auto [rows, cols] : {std::pair{1, 32}, {3, 40}, {17, 96}, {33, 257}, {130, 200}, {8, 1000}})
     for (int n : {1, 2, 3, 5, 7}) cases.push_back({rows, cols, n});
@@ -147,6 +147,7 @@ void check_matvec() {
   for (auto [rows, cols] : {std::pair{17, 96}, {33, 257}, {130, 200}})
     for (int n : {16, 19, 35}) cases.push_back({rows, cols, n});
   cases.push_back({9, 8200, 37});
+  cases.push_back({41, 8200, 11});
   for (Isa isa : isas_under_test())
     for (QuantType quant : quants)
       for (const auto& [rows, cols, n] : cases) {

@@ -21,14 +21,16 @@ static_assert(kMxfp4Block == kQ4Block && kMxfp4BlockBytes == kQ4BlockBytes, "MXF
 inline constexpr float kE2m1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
                                     -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
 
-// Amx, Avx512Vnni, Avx2Int8, AvxVnni and NeonDot are opt-in: their Q4 and MXFP4 kernels quantise
+// Amx, Avx512Vnni, Avx2Int8, AvxVnni, NeonDot and NeonI8mm are opt-in: their Q4 and MXFP4 kernels quantise
 // activations to int8 (kernels_amx.cpp, kernels_avx512.cpp, kernels_avx2.cpp, kernels_avx_vnni.cpp,
 // kernels_neon.cpp), so none is what best_isa() returns; everything else they run is their vector ISA's
-// (vector_isa). Amx runs prefills on AMX-INT8 tiles and the rest as Avx512Vnni. Avx2Int8 and AvxVnni agree
+// (vector_isa). Amx runs prefills on AMX-INT8 tiles and the rest as Avx512Vnni; NeonI8mm runs prefills with
+// SMMLA and the rest as NeonDot. Avx2Int8 and AvxVnni agree
 // bit for bit. The others compute with float activations and agree to float rounding. x86-64 builds have
 // Scalar, the Avx ones and Amx, AArch64 builds Scalar and the Neon ones.
 enum class Isa : int {
-  Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Vnni = 3, Avx2Int8 = 4, Neon = 5, NeonDot = 6, AvxVnni = 7, Amx = 8
+  Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Vnni = 3, Avx2Int8 = 4, Neon = 5, NeonDot = 6, AvxVnni = 7, Amx = 8,
+  NeonI8mm = 9
 };
 
 // The float ISA under an int8-activation one: what its backbone, attention and recurrent kernels run.
@@ -38,7 +40,8 @@ inline Isa vector_isa(Isa isa) {
     case Isa::Amx: return Isa::Avx512;
     case Isa::Avx2Int8:
     case Isa::AvxVnni: return Isa::Avx2;
-    case Isa::NeonDot: return Isa::Neon;
+    case Isa::NeonDot:
+    case Isa::NeonI8mm: return Isa::Neon;
     default: return isa;
   }
 }
@@ -99,6 +102,7 @@ IsaKernels avx_vnni_kernels();
 IsaKernels amx_kernels();
 IsaKernels neon_kernels();
 IsaKernels neon_dot_kernels();
+IsaKernels neon_i8mm_kernels();
 IsaKernels kernels_for(Isa isa);  // the ISA must be this build's (isa_available)
 bool isa_available(Isa isa);
 
