@@ -339,7 +339,8 @@ MOSAIC_VNNI inline void int8_row_tokens(const uint8_t* row, const void* rs_base,
   for (int t = 0; t < NT; ++t) y[t * ldy] = reduce(acc[t]);
 }
 
-// Tokens a prefill step shares a row's unpacked codes among (int8_row_tokens).
+// Tokens a prefill step shares a row's unpacked codes among (int8_row_tokens): eight accumulators and eight
+// scale vectors fit the 32 registers, and ran 1.05-1.15x four once the tokens were in L1.
 constexpr int kVnniTokens = 8;
 
 // Rows per step. Two shared the activation loads and ran 1.1x one row while the scales' misses stalled the
