@@ -311,6 +311,33 @@ def test_two_engines_keep_their_own_thread_settings(model_dir, monkeypatch):
     assert ops.threads() == (os.cpu_count() or 1)  # nothing leaks out of the engines' calls
 
 
+SUBNORMALS = """
+import threading, torch
+from mosaic_runtime import ops
+tiny = torch.full((1 << 20,), 3e-40)  # many elements: torch splits the multiply over its workers
+seen = [float((tiny * 3).abs().max())]  # this thread: flushed when ops was imported
+torch.set_flush_denormal(False)  # as a thread started before the import would be
+def forward_pass():  # another thread, as a server's: flushed by using_threads
+    with ops.using_threads(2):
+        seen.append(float((torch.full((1 << 20,), 3e-40) * 3).abs().max()))
+worker = threading.Thread(target=forward_pass)
+worker.start()
+worker.join()
+print(*seen)
+"""
+
+
+def test_forward_passes_read_and_write_subnormal_floats_as_zero():
+    """DeltaNet decays underflow below float32's normal range, where x86 multiplies are many times slower:
+    the engine's threads, and the torch workers they start, flush such values to zero (ops.flush_subnormals)."""
+    import subprocess
+    import sys
+    if not torch.set_flush_denormal(True):  # (already set in this process by the import of mosaic_runtime)
+        pytest.skip("this CPU cannot flush subnormal floats")
+    run = subprocess.run([sys.executable, "-c", SUBNORMALS], capture_output=True, text=True, check=True)
+    assert run.stdout.split() == ["0.0", "0.0"]
+
+
 def test_an_engine_busy_in_another_thread_refuses_a_request(model_dir):
     import threading
     with Engine.open(model_dir, max_seq=64) as engine:
