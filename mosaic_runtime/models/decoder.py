@@ -114,12 +114,16 @@ class Decoder:
         z = linear(x, w.z).view(t, hv, dv)
         beta = torch.sigmoid(linear(x, w.b))
         g = w.neg_decay * F.softplus(linear(x, w.a) + w.dt_bias)  # log-decay <= 0
-        # Causal depthwise conv over time: the window is the state's last K-1 inputs then the new ones.
-        conv_state = self.state.conv[slot]
-        window = torch.cat([conv_state, mixed.T], dim=1)  # [C, K-1+T]
-        conv = F.conv1d(window[None], w.conv[:, None, :], groups=window.shape[0])[0].T  # [T, C]
-        conv_state.copy_(window[:, -(dn.conv_kernel - 1):])
-        conv = F.silu(conv)
+        # Causal depthwise conv over time: the rows are the state's last K-1 inputs then the new ones, and
+        # each output is a weighted sum of K consecutive rows, as K multiply-adds of shifted rows in time-major
+        # order (torch's grouped conv1d over a channel-major copy took three times as long at 512 tokens).
+        conv_state, k_size = self.state.conv[slot], dn.conv_kernel  # [C, K-1]
+        rows = torch.cat([conv_state.T, mixed])  # [K-1+T, C]
+        conv = rows[:t] * w.conv[:, 0]
+        for j in range(1, k_size):
+            conv.addcmul_(rows[j:j + t], w.conv[:, j])
+        conv_state.copy_(rows[-(k_size - 1):].T)
+        conv = F.silu(conv, inplace=True)
         rep = hv // dn.key_heads  # value head h reads key head h // rep
         q = l2norm(conv[:, :kd].view(t, dn.key_heads, dn.key_dim).repeat_interleave(rep, 1)) * dn.key_dim ** -0.5
         k = l2norm(conv[:, kd:2 * kd].view(t, dn.key_heads, dn.key_dim).repeat_interleave(rep, 1))
