@@ -24,8 +24,8 @@ namespace {
 constexpr int kTile = 16;      // weight rows, and tokens, a tile multiply covers
 constexpr int kBlockBytes = kTile * kQ4;  // one block's int8 for a tile's rows (A) or tokens (B): 512 bytes
 // Fewer tokens than this run the VNNI loop: a tile's unused token columns cost as much as used ones, and the
-// two ran even at 12 tokens, AMX 1.1-1.3x faster at 16 (benchmarks/matvec_bench.py, one thread).
-constexpr int kMinTokens = 14;
+// two ran about even at 10 tokens, AMX 1.4-2.0x faster at 16 (benchmarks/matvec_bench.py, one thread).
+constexpr int kMinTokens = 10;
 // Tokens whose tiled activations (a byte a column) are kept in L2 while every row tile runs against them.
 constexpr size_t kTokenBlockBytes = 768 << 10;
 
@@ -62,7 +62,7 @@ struct TiledX {
 
 struct TiledW {
   std::vector<int8_t> codes;  // [tiled blocks][16 rows][32]: A tiles of signed codes, zero past the last row
-  std::vector<float> d;       // [tiled blocks][16 rows]: weight scales (MXFP4's halved: its codes are doubled)
+  std::vector<float> d;       // [16 rows][tiled blocks]: weight scales (MXFP4's halved: its codes are doubled)
 };
 
 // Tokens [t0, t1) quantised per 32-block to int8 as the VNNI loop quantises them (quantise_block, sx = amax /
@@ -91,45 +91,85 @@ MOSAIC_AMX void tile_x(const MatvecArgs& a, int t0, int t1, int blocks, int tile
   }
 }
 
-// Rows [r0, r0 + 16) as A tiles of signed codes and their scales as floats; rows past `rows` are zero.
+// Rows [r0, r0 + 16) as A tiles of signed codes and their scales as floats; rows past `rows` are zero. A
+// row's codes go four blocks to a 64-byte load: the nibbles masked apart and made signed, then each block's
+// low and high halves paired into the 32 bytes of its tile row. At a prefill's 16-32 tokens an expert, this
+// unpacking was most of the call (one block at a time in 128-bit ops: 78-87 GMAC/s at 16 tokens, 226-266
+// with it skipped), since a row tile meets only one or two token tiles.
 template <typename Codes>
 MOSAIC_AMX void tile_w(const MatvecArgs& a, int r0, int blocks, int tiled, TiledW& out) {
   using Scale = std::conditional_t<Codes::kMx, uint8_t, uint16_t>;
   const auto* scales = static_cast<const Scale*>(a.scales);
-  out.codes.assign(static_cast<size_t>(tiled) * kBlockBytes, 0);
-  out.d.assign(static_cast<size_t>(tiled) * kTile, 0.f);
-  const __m128i low4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-  const __m128i e2m1x2 = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);  // 2 * e2m1
-  for (int i = 0; i < kTile && r0 + i < a.rows; ++i) {
+  const int rows = std::min(kTile, a.rows - r0);
+  out.codes.resize(static_cast<size_t>(tiled) * kBlockBytes);  // capacity kept: no allocation once warm
+  out.d.resize(static_cast<size_t>(kTile) * tiled);
+  // What no real row's blocks write: the rows past `rows`, and an odd row's zero block that ends its last pair.
+  for (int b = 0; b < tiled; ++b) {
+    int8_t* tb = out.codes.data() + static_cast<size_t>(b) * kBlockBytes;
+    if (b >= blocks) std::memset(tb, 0, kBlockBytes);
+    else if (rows < kTile) std::memset(tb + rows * kQ4, 0, static_cast<size_t>(kTile - rows) * kQ4);
+  }
+  std::fill(out.d.begin(), out.d.end(), 0.f);
+  const __m512i low4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+  const __m512i e2m1x2 = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12));
+  // 64-bit lanes of lo (0-7) and hi (8-15): blocks 0 and 1 as lo, hi pairs, then blocks 2 and 3
+  const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+  auto signed_codes = [&](__m512i v, __m512i& lo, __m512i& hi) MOSAIC_AMX {
+    lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    if constexpr (Codes::kMx) {
+      lo = _mm512_shuffle_epi8(e2m1x2, lo), hi = _mm512_shuffle_epi8(e2m1x2, hi);
+    } else {
+      lo = _mm512_sub_epi8(lo, eight), hi = _mm512_sub_epi8(hi, eight);
+    }
+  };
+  for (int i = 0; i < rows; ++i) {
     const uint8_t* row = a.codes + static_cast<uint64_t>(r0 + i) * blocks * kQ4Bytes;
     const Scale* rs = scales + static_cast<uint64_t>(r0 + i) * blocks;
-    for (int b = 0; b < blocks; ++b) {
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * kQ4Bytes));
-      __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
-      if constexpr (Codes::kMx) {
-        lo = _mm_shuffle_epi8(e2m1x2, lo), hi = _mm_shuffle_epi8(e2m1x2, hi);
-        out.d[static_cast<size_t>(b) * kTile + i] = e8m0_to_f32(rs[b]) * 0.5f;
+    int8_t* at = out.codes.data() + i * kQ4;
+    int b = 0;
+    for (; b + 4 <= blocks; b += 4) {
+      __m512i lo, hi;
+      signed_codes(_mm512_loadu_si512(row + b * kQ4Bytes), lo, hi);
+      const __m512i p01 = _mm512_permutex2var_epi64(lo, first, hi), p23 = _mm512_permutex2var_epi64(lo, second, hi);
+      int8_t* tb = at + static_cast<size_t>(b) * kBlockBytes;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(tb), _mm512_castsi512_si256(p01));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(tb + kBlockBytes), _mm512_extracti64x4_epi64(p01, 1));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(tb + 2 * kBlockBytes), _mm512_castsi512_si256(p23));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(tb + 3 * kBlockBytes), _mm512_extracti64x4_epi64(p23, 1));
+    }
+    for (; b < blocks; ++b) {  // the row's last 1-3 blocks, one at a time
+      __m512i lo, hi;
+      signed_codes(_mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * kQ4Bytes))), lo, hi);
+      int8_t* tb = at + static_cast<size_t>(b) * kBlockBytes;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(tb), _mm512_castsi512_si128(lo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(tb + 16), _mm512_castsi512_si128(hi));
+    }
+    float* d = out.d.data() + static_cast<size_t>(i) * tiled;
+    for (b = 0; b < blocks; b += kTile) {  // sixteen scales at a time, the last ones masked
+      const __mmask16 in = static_cast<__mmask16>(blocks - b >= kTile ? 0xFFFF : (1u << (blocks - b)) - 1);
+      __m512 v;
+      if constexpr (Codes::kMx) {  // E8M0 as 2^(s - 127) / 2, its exponent field moved into place (s = 0: 0)
+        const __m512i e = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(in, rs + b));
+        v = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(e, 23)), _mm512_set1_ps(0.5f));
       } else {
-        lo = _mm_sub_epi8(lo, eight), hi = _mm_sub_epi8(hi, eight);
-        out.d[static_cast<size_t>(b) * kTile + i] = _cvtsh_ss(rs[b]);
+        v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(in, rs + b));
       }
-      int8_t* at = out.codes.data() + static_cast<size_t>(b) * kBlockBytes + i * kQ4;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(at), lo);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(at + 16), hi);
+      _mm512_mask_storeu_ps(d + b, in, v);
     }
   }
 }
 
-// acc[i] (16 tokens of row i) += d[i] * sx * the int32 sums c holds.
-MOSAIC_AMX inline void scale_sums(const int32_t* c, const float* d, __m512 sx, __m512* acc) {
+// acc[i] (16 tokens of row i) += d[i * stride] * sx * the int32 sums c holds.
+MOSAIC_AMX inline void scale_sums(const int32_t* c, const float* d, int stride, __m512 sx, __m512* acc) {
 #pragma GCC unroll 16
   for (int i = 0; i < kTile; ++i)
     acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + i * kTile)), sx),
-                             _mm512_set1_ps(d[i]), acc[i]);
+                             _mm512_set1_ps(d[i * stride]), acc[i]);
 }
 
 // issue_pair_C0C1: a pair of blocks (A tiles at wa, B tiles at xb) multiplied into tiles C0 and C1.
-// retire_pair_C0C1: their sums stored and scaled (weight scales wd, activation scales sx) into acc. The
+// retire_pair_C0C1: their sums stored and scaled (weight scales wd, a row's `stride` apart, activation
+// scales sx) into acc. The
 // _tile_ intrinsics take tile numbers as literal tokens (GCC spells them into inline assembly), so the
 // helpers are stamped out per pair of C tiles.
 #define MOSAIC_TILE_PAIR(C0, C1)                                                                            \
@@ -143,11 +183,12 @@ MOSAIC_AMX inline void scale_sums(const int32_t* c, const float* d, __m512 sx, _
     _tile_loadd(7, xb + kBlockBytes, kTile * 4);                                                            \
     _tile_dpbssd(C1, 5, 7);                                                                                 \
   }                                                                                                         \
-  MOSAIC_AMX inline void retire_pair_##C0##C1(int32_t* c, const float* wd, const float* sx, __m512* acc) {  \
+  MOSAIC_AMX inline void retire_pair_##C0##C1(int32_t* c, const float* wd, int stride, const float* sx,       \
+                                              __m512* acc) {                                                \
     _tile_stored(C0, c, kTile * 4);                                                                         \
-    scale_sums(c, wd, _mm512_loadu_ps(sx), acc);                                                            \
+    scale_sums(c, wd, stride, _mm512_loadu_ps(sx), acc);                                                    \
     _tile_stored(C1, c + kTile * kTile, kTile * 4);                                                         \
-    scale_sums(c + kTile * kTile, wd + kTile, _mm512_loadu_ps(sx + kTile), acc);                            \
+    scale_sums(c + kTile * kTile, wd + 1, stride, _mm512_loadu_ps(sx + kTile), acc);                        \
   }
 MOSAIC_TILE_PAIR(0, 1)
 MOSAIC_TILE_PAIR(2, 3)
@@ -159,6 +200,7 @@ MOSAIC_TILE_PAIR(2, 3)
 // sums go to y once its last pair is in.
 MOSAIC_AMX void row_tile(const int8_t* wa, const float* wd, const int8_t* xb, const float* sx, int pairs, int t0,
                          int t1, int r0, int rows, float* y, int64_t ldy) {
+  const int tiled = 2 * pairs;  // a row's scales, wd's stride
   alignas(64) int32_t c[2 * kTile * kTile];
   alignas(64) float sums[kTile * kTile];
   __m512 acc[kTile];
@@ -172,7 +214,7 @@ MOSAIC_AMX void row_tile(const int8_t* wa, const float* wd, const int8_t* xb, co
   };
   auto b_of = [&](int k) { return xb + static_cast<size_t>(k) * 2 * kBlockBytes; };
   auto s_of = [&](int k) { return sx + static_cast<size_t>(k) * 2 * kTile; };
-  auto d_next = [&] { return wd + static_cast<size_t>(retire_pair) * 2 * kTile; };
+  auto d_next = [&] { return wd + static_cast<size_t>(retire_pair) * 2; };
   auto retired = [&]() MOSAIC_AMX {  // after an item's retire: its token tile's sums out, if complete
     if (++retire_pair < pairs) return;
     retire_pair = 0;
@@ -188,12 +230,12 @@ MOSAIC_AMX void row_tile(const int8_t* wa, const float* wd, const int8_t* xb, co
   issue_pair_01(next_a(), b_of(0));
   for (int k = 0;;) {  // item k is in flight in tiles 0 and 1
     if (k + 1 < items) issue_pair_23(next_a(), b_of(k + 1));
-    retire_pair_01(c, d_next(), s_of(k), acc);
+    retire_pair_01(c, d_next(), tiled, s_of(k), acc);
     retired();
     if (++k == items) break;
     // item k is in flight in tiles 2 and 3
     if (k + 1 < items) issue_pair_01(next_a(), b_of(k + 1));
-    retire_pair_23(c, d_next(), s_of(k), acc);
+    retire_pair_23(c, d_next(), tiled, s_of(k), acc);
     retired();
     if (++k == items) break;
   }
