@@ -113,7 +113,8 @@ MOSAIC_AMX void tile_w(const MatvecArgs& a, int r0, int blocks, int tiled, Tiled
   const __m512i low4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
   const __m512i e2m1x2 = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12));
   // 64-bit lanes of lo (0-7) and hi (8-15): blocks 0 and 1 as lo, hi pairs, then blocks 2 and 3
-  const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+  const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+  const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
   auto signed_codes = [&](__m512i v, __m512i& lo, __m512i& hi) MOSAIC_AMX {
     lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
     if constexpr (Codes::kMx) {
@@ -139,7 +140,8 @@ MOSAIC_AMX void tile_w(const MatvecArgs& a, int r0, int blocks, int tiled, Tiled
     }
     for (; b < blocks; ++b) {  // the row's last 1-3 blocks, one at a time
       __m512i lo, hi;
-      signed_codes(_mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * kQ4Bytes))), lo, hi);
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * kQ4Bytes));
+      signed_codes(_mm512_castsi128_si512(v), lo, hi);
       int8_t* tb = at + static_cast<size_t>(b) * kBlockBytes;
       _mm_storeu_si128(reinterpret_cast<__m128i*>(tb), _mm512_castsi512_si128(lo));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(tb + 16), _mm512_castsi512_si128(hi));
@@ -169,9 +171,8 @@ MOSAIC_AMX inline void scale_sums(const int32_t* c, const float* d, int stride, 
 
 // issue_pair_C0C1: a pair of blocks (A tiles at wa, B tiles at xb) multiplied into tiles C0 and C1.
 // retire_pair_C0C1: their sums stored and scaled (weight scales wd, a row's `stride` apart, activation
-// scales sx) into acc. The
-// _tile_ intrinsics take tile numbers as literal tokens (GCC spells them into inline assembly), so the
-// helpers are stamped out per pair of C tiles.
+// scales sx) into acc. The _tile_ intrinsics take tile numbers as literal tokens (GCC spells them into
+// inline assembly), so the helpers are stamped out per pair of C tiles.
 #define MOSAIC_TILE_PAIR(C0, C1)                                                                            \
   MOSAIC_AMX inline void issue_pair_##C0##C1(const int8_t* wa, const int8_t* xb) {                         \
     _tile_zero(C0);                                                                                         \
