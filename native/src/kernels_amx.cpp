@@ -24,8 +24,8 @@ namespace {
 constexpr int kTile = 16;      // weight rows, and tokens, a tile multiply covers
 constexpr int kBlockBytes = kTile * kQ4;  // one block's int8 for a tile's rows (A) or tokens (B): 512 bytes
 // Fewer tokens than this run the VNNI loop: a tile's unused token columns cost as much as used ones, and the
-// two ran about even at 10 tokens, AMX 1.4-2.0x faster at 16 (benchmarks/matvec_bench.py, one thread).
-constexpr int kMinTokens = 10;
+// two ran about even at 10-12 tokens, AMX 1.0-1.5x faster at 16 (benchmarks/matvec_bench.py, one thread).
+constexpr int kMinTokens = 12;
 // Tokens whose tiled activations (a byte a column) are kept in L2 while every row tile runs against them.
 constexpr size_t kTokenBlockBytes = 768 << 10;
 
