@@ -373,9 +373,11 @@ MOSAIC_VNNI void row_tile_codes(const MatvecArgs& a, int r0, int rows, int block
   const int64_t row_bytes = static_cast<int64_t>(blocks) * kQ4Bytes;
   alignas(64) int32_t lane_row[kLaneRows];
   for (int i = 0; i < kLaneRows; ++i) lane_row[i] = i < rows ? i : 0;
-  const __m512i row_at = _mm512_mullo_epi32(_mm512_load_si512(lane_row), _mm512_set1_epi32(static_cast<int>(row_bytes)));
-  const __m512i scale_at = _mm512_mullo_epi32(_mm512_load_si512(lane_row), _mm512_set1_epi32(blocks));
+  const __m512i lanes = _mm512_load_si512(lane_row);
+  const __m512i row_at = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(static_cast<int>(row_bytes)));
+  const __m512i scale_at = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(blocks));
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  // 2 * e2m1 + 12 by code, in each 128-bit lane for vpshufb
   const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
   const uint8_t* base = a.codes + static_cast<uint64_t>(r0) * row_bytes;
   for (int i = 0; i < kLaneRows; ++i) {  // each row's scales as floats, sixteen at a time
