@@ -100,13 +100,15 @@ class RingRun:
     reads_per_token: float  # records read, read-ahead included
     ahead_per_token: float
     ahead_used: float  # share of read-ahead records a layer then asked for
+    bytes_per_token: float = 0.0  # with record_bytes: the stored bytes of those reads
 
 
-def ring_hit_rate(policy, trace: Trace) -> RingRun:
-    """Drive `policy` (a cache.policy.RingPolicy) over the trace as ExpertStore would, token by token."""
+def ring_hit_rate(policy, trace: Trace, record_bytes: np.ndarray | None = None) -> RingRun:
+    """Drive `policy` (a cache.policy.RingPolicy) over the trace as ExpertStore would, token by token.
+    record_bytes: [layers, experts] stored size of each record, to count the bytes the reads take."""
     layers = trace.layers
     reads_ahead = layers * trace.n_experts > policy.usable  # as ExpertStore.read_ahead: not when all fit
-    hits = lookups = reads = ahead = used = 0
+    hits = lookups = reads = ahead = used = read_bytes = 0
     pending: set[tuple[int, int]] = set()  # read ahead, not yet asked for
     for token, routes in trace.steps():
         policy.begin_step(token)
@@ -122,6 +124,7 @@ def ring_hit_rate(policy, trace: Trace) -> RingRun:
                 if slot is None:
                     pinned.add(policy.place((layer, e), pinned))
                     reads += 1
+                    read_bytes += 0 if record_bytes is None else int(record_bytes[layer, e])
             hits += sum(s is not None for s in found)
             lookups += len(experts)
             if reads_ahead and layer + 1 < layers:
@@ -130,8 +133,10 @@ def ring_hit_rate(policy, trace: Trace) -> RingRun:
                 pending.update(k for k, _ in planned)
                 ahead += len(planned)
                 reads += len(planned)
+                if record_bytes is not None:
+                    read_bytes += sum(int(record_bytes[layer + 1, e]) for (_, e), _ in planned)
     n = trace.tokens_total
-    return RingRun(hits / lookups, reads / n, ahead / n, used / ahead if ahead else 0.0)
+    return RingRun(hits / lookups, reads / n, ahead / n, used / ahead if ahead else 0.0, read_bytes / n)
 
 
 def belady_hit_rate(trace: Trace, slots: int) -> float:

@@ -165,6 +165,40 @@ def chat(model, system, temperature, top_p, max_tokens, ram_budget, io, max_seq,
                 click.echo(f"mosaic: {e}; /reset to start over", err=True)
 
 
+@main.command()
+@click.argument("model")
+@click.argument("text", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("-o", "--out", required=True, type=click.Path(dir_okay=False), help="the routing counts file to write")
+@click.option("--window", type=int, default=512, show_default=True, help="tokens a forward pass, teacher-forced")
+@click.option("--max-tokens", type=int, help="stop after this many tokens of the text")
+def calibrate(model, text, out, window, max_tokens) -> None:
+    """Count how often MODEL's router picks each expert over calibration TEXT files, for
+    `mosaic-shatter convert --routing OUT` (experts at their own precision)."""
+    from .calibrate import routing_counts, write_routing
+    from .engine import Engine
+
+    try:
+        model = resolve_model(model)
+        if window < 1 or (max_tokens is not None and max_tokens < 1):
+            raise ValueError("--window and --max-tokens must be at least 1")
+        with Engine.open(model, max_seq=window, precision="exact") as engine:
+            if engine.codec is None:
+                raise ValueError(f"{model} has no tokenizer to read the calibration text with")
+            ids = [i for path in text for i in engine.codec.encode(open(path, encoding="utf-8").read())]
+            ids = ids[:max_tokens] if max_tokens else ids
+            if not ids:
+                raise ValueError("the calibration text holds no tokens")
+            counts = routing_counts(engine, ids, window)
+            write_routing(out, engine, counts, len(ids), list(text))
+    except LookupError as e:
+        click.echo(f"mosaic: {e}", err=True)
+        sys.exit(2)
+    except (VaultError, ValueError, OSError, NotImplementedError) as e:
+        click.echo(f"mosaic: {e}", err=True)
+        sys.exit(1)
+    click.echo(f"wrote {out}: routing of {len(ids):,} tokens over {len(counts)} MoE layers")
+
+
 @main.command(name="list")
 def list_cmd() -> None:
     """The model store (MOSAIC_HOME, default ~/.cache/mosaic): what `mosaic chat NAME` and `mosaic serve` find."""

@@ -12,12 +12,13 @@ from mosaic_runtime.backbone import BACKBONE_MODES, resident_bytes
 from mosaic_runtime.kv_cache import KV_DTYPES, KVCache, WindowCache, windowed_layers
 from mosaic_runtime.model_store import models_dir, store_name
 from mosaic_runtime.recipe import read_recipe
-from mosaic_runtime.vault.format import QUANT_NAMES, VaultError
+from mosaic_runtime.vault.format import LOW_BIT_NAMES, QUANT_NAMES, VaultError
 
 from .architectures import OPTIONAL_PARTS, UnsupportedModel
 from .checkpoint import DTYPE_BYTES, Checkpoint, CheckpointError
 from .convert import ConvertError, ConvertInterrupted, convert, needed_disk_bytes
 from .plan import INT4_DTYPE, MXFP4_DTYPE, Plan, make_plan
+from .precision import HOT_MASS, MixedPrecision, PrecisionError
 
 WORKERS = 2
 
@@ -214,13 +215,24 @@ def probe(source, revision, as_json, keep):
 @click.option("--workers", default=WORKERS, show_default=True, help="Expert encoding threads.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @_KEEP
-def convert_cmd(source, out, quant, revision, force, workers, quiet, keep):
+@click.option("--routing", type=click.Path(),
+              help="Experts at their own precision (with --quant q4): the routing counts `mosaic calibrate` "
+                   "measured on calibration text; each layer's cold tail is stored at --cold.")
+@click.option("--cold", type=click.Choice(sorted(LOW_BIT_NAMES)), default="q3", show_default=True,
+              help="With --routing: the type of the experts outside the hot mass (3.5 or 2.5 bits a weight).")
+@click.option("--hot-mass", type=click.FloatRange(0.0, 1.0), default=HOT_MASS, show_default=True,
+              help="With --routing: per layer, the most-routed experts carrying this share of the routing stay Q4.")
+def convert_cmd(source, out, quant, revision, force, workers, quiet, keep, routing, cold, hot_mass):
     """Convert SOURCE (a checkpoint directory or a cached repo id) into OUT, or into the model store."""
     if out is None:
         out = models_dir() / store_name(source, quant)
     try:
+        mixed = MixedPrecision.of(routing, cold, hot_mass) if routing else None
+    except PrecisionError as e:
+        _fail(str(e))
+    try:
         result = convert(source, out, quant, revision=revision, workers=workers, force=force,
-                         progress=not quiet, keep=frozenset(keep))
+                         progress=not quiet, keep=frozenset(keep), mixed=mixed)
     except ConvertInterrupted as e:
         _fail(str(e), 130)
     except (CheckpointError, UnsupportedModel, ConvertError) as e:
@@ -247,14 +259,15 @@ def verify(out, quiet):
         vault = open_vault(out)
     except VaultError as e:
         _fail(str(e), 1)
-    with vault, tqdm(total=vault.header.num_records * vault.header.record_bytes, unit="B", unit_scale=True,
+    with vault, tqdm(total=sum(e.length for e in vault.entries.values()), unit="B", unit_scale=True,
                      desc="verify", disable=quiet) as bar:
         problems = vault.verify(progress=bar.update)
     if problems:
         for p in problems:
             click.echo(f"FAIL {p}", err=True)
         _fail(f"{len(problems)} problem(s) in {out}", 1)
-    click.echo(f"ok {out}: {vault.header.num_records} records ({vault.quant}), index, metadata and backbone intact")
+    types = ", ".join(f"{n} {q}" for q, n in vault.record_quants.items()) if vault.header.per_record_quant else vault.quant
+    click.echo(f"ok {out}: {vault.header.num_records} records ({types}), index, metadata and backbone intact")
 
 
 if __name__ == "__main__":

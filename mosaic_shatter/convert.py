@@ -32,6 +32,7 @@ from . import __version__
 from .checkpoint import Checkpoint, CheckpointError
 from .encode import encode_expert
 from .plan import Plan, make_plan
+from .precision import MixedPrecision
 from .write_backbone import write_backbone
 from .partial import PartialBusy, PartialDir
 from .write_vault import DiskFull, VaultWriter
@@ -90,7 +91,7 @@ def _quant_params(plan: Plan, quant: QuantType) -> dict:
 
 
 def lineage_block(ckpt: Checkpoint, plan: Plan, quant: QuantType, hashes: dict[str, str], created: str,
-                  backbone: dict) -> dict:
+                  backbone: dict, per_record: dict | None = None) -> dict:
     files = [*ckpt.files, ckpt.directory / "config.json", *ckpt.tokenizer_files()]
     return {
         "source": {"path": str(ckpt.directory.resolve()), "repo_id": ckpt.repo_id, "revision": ckpt.revision},
@@ -98,7 +99,7 @@ def lineage_block(ckpt: Checkpoint, plan: Plan, quant: QuantType, hashes: dict[s
                   for f in files],
         "source_format": {k: v for k, v in plan.source_format.items() if k != "expert_bytes_per_weight"},
         "converter": {"name": "mosaic-shatter", "version": __version__},
-        "quant": _quant_params(plan, quant),
+        "quant": _quant_params(plan, quant) | ({"per_record": per_record} if per_record else {}),
         "backbone": backbone,
         "created": created,
     }
@@ -129,11 +130,12 @@ def _fsync_dir(path: Path) -> None:
 
 
 def convert(source: str, out: str | os.PathLike, quant: str, *, revision: str | None = None,
-            workers: int = 2, force: bool = False, progress: bool = True, keep: frozenset[str] = frozenset()
-            ) -> ConvertResult:
+            workers: int = 2, force: bool = False, progress: bool = True, keep: frozenset[str] = frozenset(),
+            mixed: MixedPrecision | None = None) -> ConvertResult:
     """Convert `source` (checkpoint directory or cached repo id) into the model directory `out`.
 
     keep: optional parts ("mtp", "vision") to keep in the backbone; text-only by default.
+    mixed: experts at their own precision (a Q4 vault only): the cold tail of the routing low-bit.
 
     Raises:
         CheckpointError, UnsupportedModel: the source cannot be read or has no converter.
@@ -145,6 +147,15 @@ def convert(source: str, out: str | os.PathLike, quant: str, *, revision: str | 
     plan = make_plan(ckpt, keep)
     if plan.problems:
         raise ConvertError("cannot convert:\n  " + "\n  ".join(plan.problems))
+    record_quants = per_record = None
+    if mixed is not None:
+        if qtype is not QuantType.Q4_G32 or plan.expert_bias:
+            raise ConvertError("experts at their own precision need --quant q4 and experts without biases")
+        try:
+            record_quants = mixed.record_quants(list(plan.experts), plan.arch["num_experts"])
+        except ValueError as e:
+            raise ConvertError(str(e)) from None
+        per_record = mixed.lineage(record_quants)
     out = Path(out).absolute()
     if out.exists() and not force:
         raise ConvertError(f"{out} exists; pass --force to replace it")
@@ -158,7 +169,7 @@ def convert(source: str, out: str | os.PathLike, quant: str, *, revision: str | 
                            f"{out.parent} has {free / 2**30:.2f} GiB free")
 
     try:
-        partial = PartialDir(out, _identity(ckpt, qtype, keep))
+        partial = PartialDir(out, _identity(ckpt, qtype, keep, per_record))
     except PartialBusy as e:
         raise ConvertError(str(e)) from None
     tmp = partial.path
@@ -191,11 +202,11 @@ def convert(source: str, out: str | os.PathLike, quant: str, *, revision: str | 
             bar.update(backbone_source)
 
         arch = encode_meta(plan.arch)
-        pending = encode_meta(lineage_block(ckpt, plan, qtype, {}, partial.created, backbone))
+        pending = encode_meta(lineage_block(ckpt, plan, qtype, {}, partial.created, backbone, per_record))
         header = plan_header(qtype, plan.scale_dtype(qtype), plan.arch["num_hidden_layers"],
                              plan.arch["num_experts"], plan.hidden, plan.intermediate, len(keys), len(arch),
-                             len(pending), plan.expert_bias)
-        writer = VaultWriter(tmp / VAULT_FILE, header, keys, resume=partial.resumed)
+                             len(pending), plan.expert_bias, record_quants)
+        writer = VaultWriter(tmp / VAULT_FILE, header, keys, resume=partial.resumed, record_quants=record_quants)
         unjournaled: list[tuple[int, int]] = []  # written, not yet made durable and journaled
         try:
             if writer.resumed:
@@ -205,7 +216,7 @@ def convert(source: str, out: str | os.PathLike, quant: str, *, revision: str | 
             todo = [i for i, crc in enumerate(writer.crcs) if crc is None]
             bar.update(expert_source_bytes * (len(keys) - len(todo)))
             passthrough = plan.passthrough(qtype)
-            layout = header.layout
+            layouts = [header.stored_layout(q) for q in record_quants] if record_quants else [header.layout] * len(keys)
             window: deque[tuple[int, Future]] = deque()
 
             def write(j: int, fut: Future) -> None:
@@ -223,13 +234,16 @@ def convert(source: str, out: str | os.PathLike, quant: str, *, revision: str | 
                     unjournaled.clear()
 
             for i in todo:
-                window.append((i, pool.submit(encode_expert, ckpt, plan.experts[keys[i]], layout, passthrough)))
+                # a low-bit record is always re-quantised: no source holds its codes
+                window.append((i, pool.submit(encode_expert, ckpt, plan.experts[keys[i]], layouts[i],
+                                              passthrough and layouts[i].quant is qtype)))
                 if len(window) >= 2 * workers:  # bounded: at most 2 experts per worker in flight
                     write(*window.popleft())
             while window:
                 write(*window.popleft())
             hashes = {name: fut.result() for name, fut in hash_futures.items()}
-            writer.finish(arch, encode_meta(lineage_block(ckpt, plan, qtype, hashes, partial.created, backbone)))
+            writer.finish(arch, encode_meta(lineage_block(ckpt, plan, qtype, hashes, partial.created, backbone,
+                                                          per_record)))
         except BaseException:
             with contextlib.suppress(OSError):  # keep what was written since the last journal entry too
                 writer.sync()
@@ -269,11 +283,11 @@ def _kept(tmp: Path) -> str:
     return f"; the work so far is kept in {tmp}: run the same command again to resume" if tmp.exists() else ""
 
 
-def _identity(ckpt: Checkpoint, quant: QuantType, keep: frozenset[str]) -> dict:
+def _identity(ckpt: Checkpoint, quant: QuantType, keep: frozenset[str], per_record: dict | None) -> dict:
     """What a convert's partial work is made from: a rerun resumes it only if all of this is unchanged."""
     files = [*ckpt.files, ckpt.directory / "config.json", *ckpt.tokenizer_files()]
     return {"source": str(ckpt.directory.resolve()), "quant": quant.name, "keep": sorted(keep),
-            "converter": __version__,
+            "converter": __version__, "per_record": per_record,
             "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]}
 
 

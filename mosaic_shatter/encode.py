@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from mosaic_runtime.vault.format import PROJECTIONS, QuantType, RecordLayout, projection_shape
-from mosaic_runtime.vault.quant import dequantize_fp8, dequantize_mxfp4, quantize_fp8, quantize_mxfp4, quantize_q4
+from mosaic_runtime.vault.quant import (dequantize_fp8, dequantize_mxfp4, quantize_fp8, quantize_low_bit, quantize_mxfp4,
+                                        quantize_q4)
 from mosaic_runtime.vault.record import pack_record
 
 from . import int4_source, mxfp4_source
@@ -15,7 +16,9 @@ from .plan import ProjectionSource
 # one thread a projection: convert runs experts on several workers already
 _QUANTIZE = {QuantType.Q4_G32: lambda w: quantize_q4(w, threads=1),
              QuantType.FP8_B128: lambda w: quantize_fp8(w, threads=1),
-             QuantType.MXFP4_G32: quantize_mxfp4}
+             QuantType.MXFP4_G32: quantize_mxfp4,
+             QuantType.Q3_G32: lambda w: quantize_low_bit(w, QuantType.Q3_G32),
+             QuantType.Q2_G32: lambda w: quantize_low_bit(w, QuantType.Q2_G32)}
 
 
 def encode_expert(ckpt: Checkpoint, sources: dict[str, ProjectionSource], layout: RecordLayout,

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import enum
 import errno
+import itertools
 import os
 from dataclasses import replace
 
-from mosaic_runtime.vault.format import IndexEntry, VaultHeader, crc32, pack_index
+from mosaic_runtime.vault.format import IndexEntry, QuantType, VaultHeader, crc32, pack_index
 
 try:  # a convert runs without the compiled extension, but uses it when built
     from mosaic_runtime._native import io as native_io
@@ -50,17 +51,25 @@ class State(enum.Enum):
 
 
 class VaultWriter:
-    def __init__(self, path, header: VaultHeader, keys: list[tuple[int, int]], resume: bool = False):
+    def __init__(self, path, header: VaultHeader, keys: list[tuple[int, int]], resume: bool = False,
+                 record_quants: list[QuantType] | None = None):
         """Args:
             path: the vault file to create.
             header: the planned header (offsets and sizes; meta_crc32 is computed here).
             keys: (layer, expert) of every record, in record order.
             resume: reopen an unfinished file of this plan (its size already reserved) instead of starting
                 afresh; recover() then says which of its records are whole.
+            record_quants: each record's own type, in record order, for a per-record header (plan_header's).
         """
         if len(keys) != header.num_records:
             raise ValueError(f"{len(keys)} keys for {header.num_records} records")
+        if header.per_record_quant != (record_quants is not None):
+            raise ValueError("record types are given exactly for a per-record header")
         self.path, self.header, self.keys = path, header, keys
+        self.record_quants = record_quants
+        self.lengths = ([header.stored_layout(q).record_bytes for q in record_quants] if record_quants
+                        else [header.record_bytes] * len(keys))
+        self.offsets = list(itertools.accumulate(self.lengths[:-1], initial=header.data_offset))  # contiguous
         self.crcs: list[int | None] = [None] * len(keys)
         self.state = State.OPEN
         resume = resume and os.path.isfile(path) and os.path.getsize(path) == header.file_size
@@ -78,7 +87,7 @@ class VaultWriter:
         its bytes on disk still have that CRC-32; returns how many were taken back."""
         taken = 0
         for i, crc in written.items():
-            on_disk = os.pread(self.fd, self.header.record_bytes, self.record_offset(i)) if 0 <= i < len(self.crcs) else b""
+            on_disk = os.pread(self.fd, self.lengths[i], self.record_offset(i)) if 0 <= i < len(self.crcs) else b""
             if on_disk and record_crc32(on_disk) == crc:
                 self.crcs[i] = crc
                 taken += 1
@@ -89,13 +98,13 @@ class VaultWriter:
         os.fsync(self.fd)
 
     def record_offset(self, i: int) -> int:
-        return self.header.data_offset + i * self.header.record_bytes
+        return self.offsets[i]
 
     def write_record(self, i: int, record) -> None:
         if self.state is not State.OPEN:
             raise RuntimeError(f"writer is {self.state.value}")
-        if len(record) != self.header.record_bytes:
-            raise ValueError(f"record {i} has {len(record)} bytes, expected {self.header.record_bytes}")
+        if len(record) != self.lengths[i]:
+            raise ValueError(f"record {i} has {len(record)} bytes, expected {self.lengths[i]}")
         os.pwrite(self.fd, record, self.record_offset(i))
         self.crcs[i] = record_crc32(record)
 
@@ -107,7 +116,8 @@ class VaultWriter:
         missing = [self.keys[i] for i, c in enumerate(self.crcs) if c is None]
         if missing:
             raise RuntimeError(f"{len(missing)} records were never written, first {missing[0]}")
-        index = pack_index(IndexEntry(layer, expert, self.record_offset(i), h.record_bytes, self.crcs[i])
+        quants = self.record_quants or [0] * len(self.keys)
+        index = pack_index(IndexEntry(layer, expert, self.record_offset(i), self.lengths[i], self.crcs[i], int(quants[i]))
                            for i, (layer, expert) in enumerate(self.keys))
         # The metadata region runs from arch_offset to data_offset, zero padding included (§3).
         meta = bytearray(h.data_offset - h.arch_offset)

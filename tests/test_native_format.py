@@ -10,7 +10,8 @@ from mosaic_runtime.vault import format as fmt
 
 CONSTANTS = ("VAULT_MAGIC", "VERSION_MAJOR", "VERSION_MINOR", "HEADER_SIZE", "PAGE_SIZE", "PLANE_ALIGN",
              "INDEX_ENTRY_SIZE", "Q4_BLOCK", "Q4_BLOCK_BYTES", "Q4_ZERO", "FP8_BLOCK", "MXFP4_BLOCK",
-             "MXFP4_BLOCK_BYTES", "E8M0_BIAS", "FLAG_EXPERT_BIAS")
+             "MXFP4_BLOCK_BYTES", "E8M0_BIAS", "FLAG_EXPERT_BIAS", "FLAG_PER_RECORD_QUANT", "Q3_BLOCK_BYTES",
+             "Q3_ZERO", "Q2_BLOCK_BYTES", "Q2_ZERO")
 
 
 def test_constants_match():

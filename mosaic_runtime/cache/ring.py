@@ -58,13 +58,20 @@ class Ring:
     def set_state(self, slot: int, state: SlotState) -> None:
         self.native.set_state(slot, int(state))
 
-    def submit(self, slot: int, offset: int, length: int, crc32: int, background: bool = False) -> None:
+    def submit(self, slot: int, offset: int, length: int, crc32: int, background: bool = False,
+               widen: int = 0) -> None:
         """Start reading a record into slot (LOADING, then IN_USE once its CRC-32 checks, or FAILED).
 
         background: a fill ahead of need. It starts only while no other read is queued or in progress
         (one at a time), and leaves the slot READY.
+        widen: the record's QuantType when it is stored low-bit (Q3_G32, Q2_G32): the I/O thread widens it
+        to Q4_G32 in the slot once its CRC-32 checks (set_record_geometry first).
         """
-        self.native.submit(slot, offset, length, crc32, background)
+        self.native.submit(slot, offset, length, crc32, background, widen)
+
+    def set_record_geometry(self, hidden: int, intermediate: int) -> None:
+        """The experts' geometry, for widening low-bit records; a slot must hold its Q4_G32 record."""
+        self.native.set_record_geometry(hidden, intermediate)
 
     def expedite(self, slot: int) -> bool:
         """Move slot's background read, if it has not started, ahead as a demand read."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..vault.format import Reason, VaultError
+from ..vault.format import LOW_BIT_TYPES, Reason, VaultError
 from .policy import RoutingPolicy
 from .ring import Ring, SlotState
 
@@ -42,6 +42,8 @@ class ExpertStore:
     def __init__(self, vault, n_slots: int, io: str, io_threads: int = IO_THREADS, notice=None):
         self.vault = vault
         self.ring = Ring(vault.path, n_slots, vault.header.record_bytes, io, io_threads, notice)
+        if vault.header.per_record_quant:  # low-bit records are widened to the vault's Q4_G32 as they land
+            self.ring.set_record_geometry(vault.header.hidden, vault.header.intermediate)
         layers = sorted({layer for layer, _ in vault.entries})
         self.policy = RoutingPolicy(n_slots, layers, vault.header.num_experts, int(vault.arch["num_experts_per_tok"]))
         self.io = IOCounters()
@@ -192,7 +194,8 @@ class ExpertStore:
 
     def _submit(self, slot: int, key: tuple[int, int], background: bool = False) -> None:
         entry = self.vault.entry(*key)
-        self.ring.submit(slot, entry.offset, entry.length, entry.crc32, background)
+        widen = entry.quant if entry.stored_quant(self.vault.header) in LOW_BIT_TYPES else 0
+        self.ring.submit(slot, entry.offset, entry.length, entry.crc32, background, widen)
         self._reading[slot] = (key, background)
         self.io.reads += 1
 

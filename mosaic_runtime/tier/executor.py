@@ -141,7 +141,7 @@ class TieredExperts(ExpertExecutor):
         for key in decision.promote:
             record = self.store.cached(*key)
             if record is None:  # not in the ring (a prefill chunk larger than it): read it directly
-                record = np.frombuffer(bytearray(self.store.vault.read_record(*key)), np.uint8)
+                record = np.frombuffer(bytearray(self.store.vault.read_compute_record(*key)), np.uint8)
             self.cache.put(key, record)
 
 
@@ -149,7 +149,7 @@ def measure_cost(cpu: NativeExperts, cache: DeviceExpertCache) -> CostModel:
     """The cost model's constants on this machine, from the vault's first expert record."""
     vault, layout, k = cpu.store.vault, cpu.layout, cpu._k
     n = 32
-    record = np.frombuffer(vault.read_record(vault.moe_layers[0], 0), np.uint8)
+    record = np.frombuffer(bytes(vault.read_compute_record(vault.moe_layers[0], 0)), np.uint8)
     xs = np.random.default_rng(0).standard_normal((n, layout.hidden), dtype=np.float32)
     y = np.zeros_like(xs)
     scratch = cpu._scratch_for(n, n)

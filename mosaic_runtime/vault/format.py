@@ -16,7 +16,7 @@ from dataclasses import dataclass
 # --- constants (vault_format.md §2) -------------------------------------------------------------
 VAULT_MAGIC = b"MOSAICV\0"  # 8 bytes, at offset 0
 VERSION_MAJOR = 1  # bumped when a v1 reader would misread the file (§9)
-VERSION_MINOR = 3  # bumped for additions a v1 reader may ignore (vault_format.md §9)
+VERSION_MINOR = 4  # bumped for additions a v1 reader may ignore (vault_format.md §9)
 HEADER_SIZE = 128  # fixed header, bytes
 PAGE_SIZE = 16384  # 16 KiB: every record starts on and spans whole pages
 PLANE_ALIGN = 64  # every plane inside a record starts on a cache line
@@ -25,6 +25,10 @@ INDEX_ENTRY_SIZE = 32  # bytes per (layer, expert) entry
 Q4_BLOCK = 32  # weights per Q4 scale, along the input dimension
 Q4_BLOCK_BYTES = Q4_BLOCK // 2  # 16 bytes of nibbles per block
 Q4_ZERO = 8  # code of the value 0: w = d * (q - 8)
+Q3_BLOCK_BYTES = 12  # Q3_G32: 8 bytes of low bit pairs, 4 of high bits, per 32 weights
+Q3_ZERO = 4  # w = d * (q - 4), q in 0..7
+Q2_BLOCK_BYTES = 8  # Q2_G32: four 2-bit codes a byte
+Q2_ZERO = 2  # w = d * (q - 2), q in 0..3
 FP8_BLOCK = 128  # FP8 scales cover 128 x 128 blocks
 FP8_E4M3_MAX = 448.0  # largest finite E4M3FN value
 MXFP4_BLOCK = 32  # weights per MXFP4 power-of-two scale, along the input dimension
@@ -34,7 +38,8 @@ E8M0_NAN = 255
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # by code
 
 FLAG_EXPERT_BIAS = 1  # header flag: each record ends with the biases of gate, up and down (§4.4)
-KNOWN_FLAGS = FLAG_EXPERT_BIAS
+FLAG_PER_RECORD_QUANT = 2  # header flag: each index entry names its record's quant type and length (§5.1)
+KNOWN_FLAGS = FLAG_EXPERT_BIAS | FLAG_PER_RECORD_QUANT
 
 # bounds (§8): a reader checks these before allocating anything
 MAX_LAYERS = 4096
@@ -49,6 +54,8 @@ class QuantType(enum.IntEnum):
     Q4_G32 = 1  # 4-bit symmetric, one f16 scale per 32 weights of a row
     FP8_B128 = 2  # E4M3FN, one scale per 128 x 128 block
     MXFP4_G32 = 3  # OCP MXFP4: E2M1 codes, one E8M0 power-of-two scale per 32 weights of a row
+    Q3_G32 = 4  # 3-bit symmetric, one f16 scale per 32 weights: a record type of a per-record Q4 vault only
+    Q2_G32 = 5  # 2-bit symmetric, likewise
 
 
 class ScaleDtype(enum.IntEnum):
@@ -63,8 +70,14 @@ class ScaleDtype(enum.IntEnum):
 
 
 # The scale dtype a quant type requires, where it allows only one.
-REQUIRED_SCALE_DTYPE = {QuantType.Q4_G32: ScaleDtype.F16, QuantType.MXFP4_G32: ScaleDtype.E8M0}
+REQUIRED_SCALE_DTYPE = {QuantType.Q4_G32: ScaleDtype.F16, QuantType.MXFP4_G32: ScaleDtype.E8M0,
+                        QuantType.Q3_G32: ScaleDtype.F16, QuantType.Q2_G32: ScaleDtype.F16}
 QUANT_NAMES = {"q4": QuantType.Q4_G32, "fp8": QuantType.FP8_B128, "mxfp4": QuantType.MXFP4_G32}  # CLI and API spelling
+# Low-bit record types: stored on disk, widened exactly to Q4_G32 when read (codes move, scales stay).
+LOW_BIT_TYPES = {QuantType.Q3_G32: (3, Q3_BLOCK_BYTES, Q3_ZERO), QuantType.Q2_G32: (2, Q2_BLOCK_BYTES, Q2_ZERO)}
+LOW_BIT_NAMES = {"q3": QuantType.Q3_G32, "q2": QuantType.Q2_G32}  # CLI and API spelling
+HEADER_QUANTS = (QuantType.Q4_G32, QuantType.FP8_B128, QuantType.MXFP4_G32)  # a vault's compute types
+RECORD_QUANTS = (QuantType.Q4_G32, QuantType.Q3_G32, QuantType.Q2_G32)  # a per-record vault's record types
 VAULT_FILE = "experts.vault"  # names inside a converted model directory (§1)
 BACKBONE_FILE = "backbone.safetensors"
 ARCH_REQUIRED = (  # §6: keys every arch block carries
@@ -194,6 +207,9 @@ def plane_shapes(quant: QuantType, rows: int, cols: int) -> tuple[tuple[int, int
     if quant is QuantType.MXFP4_G32:
         blocks = -(-cols // MXFP4_BLOCK)
         return (rows, blocks * MXFP4_BLOCK_BYTES), (rows, blocks)
+    if quant in LOW_BIT_TYPES:
+        blocks = -(-cols // Q4_BLOCK)
+        return (rows, blocks * LOW_BIT_TYPES[quant][1]), (rows, blocks)
     raise ValueError(f"unknown quant type {quant!r}")
 
 
@@ -286,7 +302,7 @@ class VaultHeader:
             bad("header_size", hsize, 12, f"must be {HEADER_SIZE}")
         if page != PAGE_SIZE:
             bad("page_size", page, 16, f"must be {PAGE_SIZE}")
-        if quant not in QuantType._value2member_map_:
+        if quant not in QuantType._value2member_map_ or QuantType(quant) not in HEADER_QUANTS:
             bad("quant_type", quant, 20, "unknown quant type")
         if sdt not in ScaleDtype._value2member_map_:
             bad("scale_dtype", sdt, 24, "unknown scale dtype")
@@ -297,6 +313,8 @@ class VaultHeader:
             bad("scale_dtype", sdt, 24, f"{QuantType(quant).name} scales must be bf16 or f32")
         if flags & ~KNOWN_FLAGS:
             bad("flags", flags, 52, f"unknown flag bits {flags & ~KNOWN_FLAGS:#x}")
+        if flags & FLAG_PER_RECORD_QUANT and (quant != QuantType.Q4_G32 or flags & FLAG_EXPERT_BIAS):
+            bad("flags", flags, 52, "per-record quant types need a Q4_G32 vault without expert biases")
         if not 1 <= n_layers <= MAX_LAYERS:
             bad("num_layers", n_layers, 28, f"must be in 1..{MAX_LAYERS}")
         if not 1 <= n_experts <= MAX_EXPERTS:
@@ -326,7 +344,11 @@ class VaultHeader:
             bad("index_length", idx_len, 96, f"must be num_records * {INDEX_ENTRY_SIZE}")
         if data_off != align_up(idx_off + idx_len, PAGE_SIZE):
             bad("data_offset", data_off, 104, "must be the first page boundary after the index")
-        if file_size != data_off + n_records * record_bytes:
+        if flags & FLAG_PER_RECORD_QUANT:
+            smallest = min(record_layout(q, ScaleDtype.F16, hidden, inter).record_bytes for q in RECORD_QUANTS)
+            if not data_off + n_records * smallest <= file_size <= data_off + n_records * record_bytes:
+                bad("file_size", file_size, 112, "must leave room for num_records records of their sizes")
+        elif file_size != data_off + n_records * record_bytes:
             bad("file_size", file_size, 112, "must be data_offset + num_records * record_bytes")
         return cls(QuantType(quant), ScaleDtype(sdt), n_layers, n_experts, hidden, inter, n_records,
                    record_bytes, arch_off, arch_len, lin_off, lin_len, idx_off, idx_len, data_off,
@@ -334,24 +356,46 @@ class VaultHeader:
 
     @property
     def layout(self) -> RecordLayout:
+        """The layout records have in memory, where kernels read them (a low-bit record is widened to it)."""
         return record_layout(self.quant, self.scale_dtype, self.hidden, self.intermediate,
+                             bool(self.flags & FLAG_EXPERT_BIAS))
+
+    @property
+    def per_record_quant(self) -> bool:
+        return bool(self.flags & FLAG_PER_RECORD_QUANT)
+
+    def stored_layout(self, quant: QuantType) -> RecordLayout:
+        """The layout of a record stored as `quant` (the header's own type, or a per-record one)."""
+        return record_layout(quant, self.scale_dtype, self.hidden, self.intermediate,
                              bool(self.flags & FLAG_EXPERT_BIAS))
 
 
 def plan_header(quant: QuantType, scale_dtype: ScaleDtype, num_layers: int, num_experts: int,
                 hidden: int, intermediate: int, num_records: int, arch_length: int,
-                lineage_length: int, bias: bool = False) -> VaultHeader:
+                lineage_length: int, bias: bool = False,
+                record_quants: list[QuantType] | None = None) -> VaultHeader:
     """Offsets of every region for the given sizes; meta_crc32 is filled in by the writer. bias: the
-    records carry expert biases (FLAG_EXPERT_BIAS)."""
+    records carry expert biases (FLAG_EXPERT_BIAS). record_quants: each record's own type, in record order
+    (FLAG_PER_RECORD_QUANT; the vault's quant is then Q4_G32 and the types are in RECORD_QUANTS)."""
+    if QuantType(quant) not in HEADER_QUANTS:
+        raise ValueError(f"{QuantType(quant).name} is a record type of a per-record vault, not a vault's type")
     layout = record_layout(quant, scale_dtype, hidden, intermediate, bias)
     lin_off = HEADER_SIZE + arch_length
     idx_off = align_up(lin_off + lineage_length, 8)
     idx_len = num_records * INDEX_ENTRY_SIZE
     data_off = align_up(idx_off + idx_len, PAGE_SIZE)
+    flags = FLAG_EXPERT_BIAS if bias else 0
+    data_bytes = num_records * layout.record_bytes
+    if record_quants is not None:
+        if quant != QuantType.Q4_G32 or bias or len(record_quants) != num_records or \
+                any(q not in RECORD_QUANTS for q in record_quants):
+            raise ValueError("per-record quant types: a Q4_G32 vault without biases, one of "
+                             f"{[q.name for q in RECORD_QUANTS]} for each of its {num_records} records")
+        flags |= FLAG_PER_RECORD_QUANT
+        data_bytes = sum(record_layout(q, scale_dtype, hidden, intermediate).record_bytes for q in record_quants)
     return VaultHeader(QuantType(quant), ScaleDtype(scale_dtype), num_layers, num_experts, hidden,
                        intermediate, num_records, layout.record_bytes, HEADER_SIZE, arch_length,
-                       lin_off, lineage_length, idx_off, idx_len, data_off,
-                       data_off + num_records * layout.record_bytes, 0, FLAG_EXPERT_BIAS if bias else 0)
+                       lin_off, lineage_length, idx_off, idx_len, data_off, data_off + data_bytes, 0, flags)
 
 
 # --- expert index (§5) --------------------------------------------------------------------------
@@ -360,11 +404,16 @@ class IndexEntry:
     layer: int
     expert: int
     offset: int  # absolute file offset of the record
-    length: int  # bytes, = record_bytes
-    crc32: int  # CRC-32 of the whole record, padding included
+    length: int  # bytes: record_bytes, or its own type's record size in a per-record vault
+    crc32: int  # CRC-32 of the whole record as stored, padding included
+    quant: int = 0  # the record's QuantType in a per-record vault (FLAG_PER_RECORD_QUANT), else 0
 
     def pack(self) -> bytes:
-        return _ENTRY.pack(self.layer, self.expert, self.offset, self.length, self.crc32, 0)
+        return _ENTRY.pack(self.layer, self.expert, self.offset, self.length, self.crc32, self.quant)
+
+    def stored_quant(self, header: VaultHeader) -> QuantType:
+        """The type the record is stored as: its own in a per-record vault, else the vault's."""
+        return QuantType(self.quant) if self.quant else header.quant
 
 
 def pack_index(entries) -> bytes:
@@ -393,11 +442,18 @@ def unpack_index(raw: bytes, header: VaultHeader, moe_layers, *, path: str | Non
         if (layer, expert) != expected[i]:
             raise VaultError(Reason.BAD_INDEX, f"entry {i} is (layer {layer}, expert {expert}), "
                              f"expected {expected[i]}", path=path, offset=at, layer=layer, expert=expert)
-        if reserved != 0:
+        if header.per_record_quant:
+            if reserved not in RECORD_QUANTS:
+                raise VaultError(Reason.BAD_INDEX, f"entry {i} quant type is {reserved}, not one of "
+                                 f"{[int(q) for q in RECORD_QUANTS]}", path=path, offset=at, layer=layer, expert=expert)
+            want = header.stored_layout(QuantType(reserved)).record_bytes
+        elif reserved != 0:
             raise VaultError(Reason.BAD_INDEX, f"entry {i} reserved field is {reserved}", path=path, offset=at,
                              layer=layer, expert=expert)
-        if length != header.record_bytes:
-            raise VaultError(Reason.BAD_INDEX, f"length {length}, records are {header.record_bytes} bytes",
+        else:
+            want = header.record_bytes
+        if length != want:
+            raise VaultError(Reason.BAD_INDEX, f"length {length}, the record's type takes {want} bytes",
                              path=path, offset=at, layer=layer, expert=expert)
         if offset % PAGE_SIZE:
             raise VaultError(Reason.MISALIGNED, f"record offset {offset} is not on a {PAGE_SIZE}-byte page",
@@ -409,5 +465,8 @@ def unpack_index(raw: bytes, header: VaultHeader, moe_layers, *, path: str | Non
             raise VaultError(Reason.OUT_OF_BOUNDS, f"record [{offset}, {offset + length}) runs past the end "
                              f"of the file ({header.file_size})", path=path, offset=at, layer=layer, expert=expert)
         prev_end = offset + length
-        entries.append(IndexEntry(layer, expert, offset, length, crc))
+        entries.append(IndexEntry(layer, expert, offset, length, crc, reserved))
+    if header.per_record_quant and prev_end != header.file_size:
+        raise VaultError(Reason.BAD_INDEX, f"the records end at {prev_end}, the file at {header.file_size}",
+                         path=path, offset=header.index_offset)
     return entries

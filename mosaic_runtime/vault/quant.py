@@ -10,8 +10,8 @@ import os
 
 import torch
 
-from .format import (E2M1_VALUES, E8M0_BIAS, E8M0_NAN, FP8_BLOCK, FP8_E4M3_MAX, MXFP4_BLOCK, MXFP4_BLOCK_BYTES,
-                     Q4_BLOCK, Q4_BLOCK_BYTES, Q4_ZERO, ScaleDtype)
+from .format import (E2M1_VALUES, E8M0_BIAS, E8M0_NAN, FP8_BLOCK, FP8_E4M3_MAX, LOW_BIT_TYPES, MXFP4_BLOCK,
+                     MXFP4_BLOCK_BYTES, Q4_BLOCK, Q4_BLOCK_BYTES, Q4_ZERO, QuantType, ScaleDtype)
 
 SCALE_TORCH_DTYPES = {ScaleDtype.F16: torch.float16, ScaleDtype.BF16: torch.bfloat16, ScaleDtype.F32: torch.float32,
                       ScaleDtype.E8M0: torch.uint8}
@@ -113,6 +113,103 @@ def dequantize_q4(codes: torch.Tensor, scales: torch.Tensor, cols: int) -> torch
     packed = codes.reshape(rows, nb, Q4_BLOCK_BYTES)
     q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float() - Q4_ZERO  # [R, nb, 32]
     return (q * scales.float().unsqueeze(-1)).reshape(rows, nb * Q4_BLOCK)[:, :cols]
+
+
+# --- Q3_G32 and Q2_G32: low-bit record types, widened to Q4_G32 when read ------------------------
+def _padded_blocks(w: torch.Tensor) -> torch.Tensor:
+    """float32 [R, nb, 32] of w [R, C], zero-padded past C."""
+    rows, cols = w.shape
+    nb = -(-cols // Q4_BLOCK)
+    blocks = torch.zeros(rows, nb * Q4_BLOCK, dtype=torch.float32)
+    blocks[:, :cols] = w.float()
+    return blocks.view(rows, nb, Q4_BLOCK)
+
+
+def _low_bit_codes(blocks: torch.Tensor, d: torch.Tensor, zero: int, top: int):
+    """Signed codes in [-zero, top] under f16 scales d, with _q4_codes' error terms (float64)."""
+    d32 = d.float()
+    inv = torch.where(d32 != 0, 1.0 / d32, torch.zeros_like(d32))
+    q = torch.mul(blocks, inv).round_().clamp_(-zero, top)
+    q64 = q.double()
+    qw = (q64 * blocks.double()).sum(-1, keepdim=True)
+    qq = (q64 * q64).sum(-1, keepdim=True)
+    d64 = d32.double()
+    return q, d64 * d64 * qq - 2 * d64 * qw, qw, qq
+
+
+def quantize_low_bit(w: torch.Tensor, quant: QuantType) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q3_G32 or Q2_G32: w ~= d * (q - zero), one f16 d per 32 weights of a row (vault_format.md §4.5).
+
+    With so few levels the side the extreme weight lands on matters, so the encoder tries both: the
+    weight of largest magnitude on the most negative code (Q4_0's rule) and on the most positive one,
+    each refit by least squares for its codes, and keeps the candidate with the smallest block error.
+
+    Returns:
+        codes: uint8 [R, nb * block bytes] (§4.5's bit order); scales: float16 [R, nb].
+    """
+    bits, _, zero = LOW_BIT_TYPES[quant]
+    top = (1 << bits) - 1 - zero
+    blocks = _padded_blocks(w)
+    rows, nb, _ = blocks.shape
+    hi, lo = blocks.amax(-1, keepdim=True), blocks.amin(-1, keepdim=True)
+    extreme = torch.where(-lo > hi, lo, hi)
+    if not torch.isfinite(extreme).all():
+        raise ValueError("weights contain inf or nan")
+    best_q = best_d = best_e = None
+    for start in (extreme / -zero, extreme / top):
+        d0 = start.to(torch.float16)
+        q0, e0, qw, qq = _low_bit_codes(blocks, d0, zero, top)
+        d1 = (qw / qq.clamp_min(1.0)).to(torch.float16)
+        q1, e1, _, _ = _low_bit_codes(blocks, d1, zero, top)
+        for q, d, e in ((q0, d0, e0), (q1, d1, e1)):
+            if best_e is None:
+                best_q, best_d, best_e = q, d, e
+            else:
+                better = e < best_e
+                best_q, best_d, best_e = (torch.where(better, q, best_q), torch.where(better, d, best_d),
+                                          torch.where(better, e, best_e))
+    if not torch.isfinite(best_d).all():
+        raise ValueError(f"weights exceed the f16 range of {quant.name} scales")
+    return pack_low_bit((best_q + zero).to(torch.uint8), quant), best_d.reshape(rows, nb).contiguous()
+
+
+def pack_low_bit(u: torch.Tensor, quant: QuantType) -> torch.Tensor:
+    """Unsigned codes [R, nb, 32] into §4.5's bytes [R, nb * block bytes]: byte j < 8 of a block holds the
+    low two bits of elements j, j+8, j+16 and j+24 (bits 0-1, 2-3, 4-5, 6-7); in Q3 byte 8+j < 12 holds
+    the third bit of elements j, j+4, ..., j+28 (bits 0 to 7)."""
+    rows, nb, _ = u.shape
+    low = (u & 3).view(rows, nb, 4, 8)  # [.., i, j] is element 8i + j
+    out = [low[:, :, 0] | (low[:, :, 1] << 2) | (low[:, :, 2] << 4) | (low[:, :, 3] << 6)]
+    if quant is QuantType.Q3_G32:
+        high = (u >> 2).view(rows, nb, 8, 4)  # [.., i, j] is element 4i + j
+        out.append(sum(high[:, :, i] << i for i in range(8)).to(torch.uint8))
+    return torch.cat(out, -1).reshape(rows, -1).contiguous()
+
+
+def unpack_low_bit(codes: torch.Tensor, quant: QuantType) -> torch.Tensor:
+    """pack_low_bit's inverse: unsigned codes [R, nb, 32]."""
+    _, block_bytes, _ = LOW_BIT_TYPES[quant]
+    rows = codes.shape[0]
+    packed = codes.reshape(rows, -1, block_bytes)
+    nb = packed.shape[1]
+    low = torch.stack([(packed[..., :8] >> (2 * i)) & 3 for i in range(4)], 2).reshape(rows, nb, 32)
+    if quant is QuantType.Q2_G32:
+        return low
+    high = torch.stack([(packed[..., 8:12] >> i) & 1 for i in range(8)], 2).reshape(rows, nb, 32)
+    return low | (high << 2)
+
+
+def widen_to_q4(codes: torch.Tensor, quant: QuantType) -> torch.Tensor:
+    """Q4_G32 codes of the same weights (exact: q - zero + 8 under the same scales): what a reader holds."""
+    _, _, zero = LOW_BIT_TYPES[quant]
+    u = unpack_low_bit(codes, quant) + (Q4_ZERO - zero)
+    half = Q4_BLOCK // 2
+    return (u[..., :half] | (u[..., half:] << 4)).reshape(codes.shape[0], -1).contiguous()
+
+
+def dequantize_low_bit(codes: torch.Tensor, scales: torch.Tensor, cols: int, quant: QuantType) -> torch.Tensor:
+    """float32 [R, cols] from Q3_G32 or Q2_G32 codes and f16 scales."""
+    return dequantize_q4(widen_to_q4(codes, quant), scales, cols)
 
 
 # --- FP8_B128 -----------------------------------------------------------------------------------

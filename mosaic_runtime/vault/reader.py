@@ -10,9 +10,14 @@ from pathlib import Path
 
 import torch
 
-from .format import (BACKBONE_FILE, HEADER_SIZE, QUANT_NAMES, VAULT_FILE, IndexEntry, Reason,
+from .format import (BACKBONE_FILE, HEADER_SIZE, QUANT_NAMES, VAULT_FILE, IndexEntry, RecordLayout, Reason,
                      VaultError, VaultHeader, crc32, decode_meta, moe_layers_of, unpack_index)
-from .record import dequantize_record, record_biases
+from .record import dequantize_record, record_biases, widen_record
+
+try:  # reading needs no compiled extension, but widens low-bit records natively where it is built
+    from .._native import io as _native_io
+except ImportError:
+    _native_io = None
 
 QUANT_LABELS = {q: name for name, q in QUANT_NAMES.items()}
 _SAFETENSORS_MAX_HEADER = 100 << 20  # the safetensors library's own limit
@@ -91,9 +96,36 @@ class Vault:
                              offset=e.offset, layer=layer, expert=expert)
         return raw
 
+    def stored_layout(self, layer: int, expert: int) -> RecordLayout:
+        """The layout of the record as stored: the vault's own, or in a per-record vault the record's type's."""
+        return self.header.stored_layout(self.entry(layer, expert).stored_quant(self.header))
+
+    @property
+    def record_quants(self) -> dict[str, int]:
+        """How many records are stored as each quant type ({"Q4_G32": 6144} in a uniform Q4 vault)."""
+        counts: dict[str, int] = {}
+        for e in self.entries.values():
+            name = e.stored_quant(self.header).name
+            counts[name] = counts.get(name, 0) + 1
+        return counts
+
+    def read_compute_record(self, layer: int, expert: int) -> bytes | bytearray:
+        """The record in the vault's compute layout (`layout`), CRC-checked: a low-bit record widened to Q4_G32
+        exactly as the ring widens it, any other as stored."""
+        raw = self.read_record(layer, expert)
+        stored = self.stored_layout(layer, expert)
+        if stored.quant is self.layout.quant:
+            return raw
+        if _native_io is None:
+            return widen_record(stored, raw)
+        out = bytearray(self.layout.record_bytes)
+        out[:len(raw)] = raw
+        _native_io.widen_record(memoryview(out), int(stored.quant), self.header.hidden, self.header.intermediate)
+        return out
+
     def dequantize_expert(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(gate [I, H], up [I, H], down [H, I]) as float32 tensors."""
-        return dequantize_record(self.layout, self.read_record(layer, expert))
+        """(gate [I, H], up [I, H], down [H, I]) as float32 tensors, from the record as stored."""
+        return dequantize_record(self.stored_layout(layer, expert), self.read_record(layer, expert))
 
     def expert_biases(self, layer: int, expert: int) -> dict[str, torch.Tensor] | None:
         """The expert's float32 biases by projection, or None when the vault's records carry none."""
@@ -153,7 +185,7 @@ class Vault:
             except VaultError as e:
                 problems.append(e)
             if progress is not None:
-                progress(self.layout.record_bytes)
+                progress(self.entries[(layer, expert)].length)
         return problems
 
     def close(self) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .format import PROJECTIONS, QuantType, RecordLayout, projection_shape
-from .quant import SCALE_TORCH_DTYPES, dequantize_fp8, dequantize_mxfp4, dequantize_q4
+from .format import LOW_BIT_TYPES, PROJECTIONS, QuantType, RecordLayout, projection_shape, record_layout
+from .quant import SCALE_TORCH_DTYPES, dequantize_fp8, dequantize_low_bit, dequantize_mxfp4, dequantize_q4, widen_to_q4
 
 Planes = dict[str, tuple[torch.Tensor, torch.Tensor]]  # projection -> (codes uint8, scales)
 Biases = dict[str, torch.Tensor]  # projection -> float32 [rows], in a record whose layout has bias
@@ -77,6 +77,16 @@ def dequantize_record(layout: RecordLayout, record) -> tuple[torch.Tensor, torch
             out.append(dequantize_q4(codes, scales, cols))
         elif layout.quant is QuantType.MXFP4_G32:
             out.append(dequantize_mxfp4(codes, scales, cols))
+        elif layout.quant in LOW_BIT_TYPES:
+            out.append(dequantize_low_bit(codes, scales, cols, layout.quant))
         else:
             out.append(dequantize_fp8(codes, scales))
     return tuple(out)
+
+
+def widen_record(stored: RecordLayout, record) -> bytearray:
+    """A Q3_G32 or Q2_G32 record as the Q4_G32 record of the same weights (what the ring's I/O threads
+    make of it natively, native/src/record_widen.cpp): the reference."""
+    planes = unpack_record(stored, record)
+    wide = record_layout(QuantType.Q4_G32, stored.scale_dtype, stored.hidden, stored.intermediate)
+    return pack_record(wide, {p: (widen_to_q4(c, stored.quant), s) for p, (c, s) in planes.items()})

@@ -51,6 +51,11 @@ void init_format(nb::module_& m) {
   f.attr("MXFP4_BLOCK_BYTES") = kMxfp4BlockBytes;
   f.attr("E8M0_BIAS") = kE8m0Bias;
   f.attr("FLAG_EXPERT_BIAS") = kFlagExpertBias;
+  f.attr("FLAG_PER_RECORD_QUANT") = kFlagPerRecordQuant;
+  f.attr("Q3_BLOCK_BYTES") = kQ3BlockBytes;
+  f.attr("Q3_ZERO") = kQ3Zero;
+  f.attr("Q2_BLOCK_BYTES") = kQ2BlockBytes;
+  f.attr("Q2_ZERO") = kQ2Zero;
   f.def("header_field_offsets", [] {
     // (name, offset, size) of every fixed-header field, for the parity test.
     std::vector<std::tuple<std::string, size_t, size_t>> out;
@@ -355,6 +360,17 @@ void init_io(nb::module_& m) {
   io.attr("FAILED") = static_cast<int>(SlotState::Failed);
   io.def("crc32", [](Bytes data, uint32_t crc) { return crc32(crc, data.data(), data.shape(0)); },
          nb::arg("data"), nb::arg("crc") = 0);
+  io.def("widen_record", [](nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> buf, uint32_t stored,
+                            uint32_t hidden, uint32_t intermediate) {
+    // A Q3_G32 or Q2_G32 record at the start of buf, rewritten in place as its Q4_G32 record.
+    check(stored == static_cast<uint32_t>(QuantType::Q3_G32) || stored == static_cast<uint32_t>(QuantType::Q2_G32),
+          "only Q3_G32 and Q2_G32 records widen");
+    check(hidden > 0 && intermediate > 0 &&
+          buf.shape(0) >= record_layout(QuantType::Q4_G32, ScaleDtype::F16, hidden, intermediate).payload_bytes,
+          "the buffer does not hold a Q4_G32 record of this geometry");
+    nb::gil_scoped_release release;
+    widen_record(buf.data(), QuantType(stored), hidden, intermediate);
+  }, nb::arg("buf"), nb::arg("stored"), nb::arg("hidden"), nb::arg("intermediate"));
   nb::class_<ExpertRing>(io, "ExpertRing")
       .def(nb::init<int, int, uint64_t, uint64_t, int>(), nb::arg("direct_fd"), nb::arg("buffered_fd"),
            nb::arg("n_slots"), nb::arg("slot_bytes"), nb::arg("io_threads"))
@@ -378,13 +394,22 @@ void init_io(nb::module_& m) {
             check(i < r.n_slots() && s >= 0 && s <= static_cast<int>(SlotState::Failed), "slot or state out of range");
             r.set_state(i, SlotState(s));
           })
-      .def("submit", [](ExpertRing& r, uint64_t i, uint64_t offset, uint64_t length, uint32_t crc, bool background) {
+      .def("submit", [](ExpertRing& r, uint64_t i, uint64_t offset, uint64_t length, uint32_t crc, bool background,
+                        uint32_t stored) {
             try {
-              r.submit(i, offset, length, crc, background);
+              r.submit(i, offset, length, crc, background, stored);
             } catch (const std::exception& e) {
               throw nb::value_error(e.what());
             }
-          }, nb::arg("slot"), nb::arg("offset"), nb::arg("length"), nb::arg("crc"), nb::arg("background") = false)
+          }, nb::arg("slot"), nb::arg("offset"), nb::arg("length"), nb::arg("crc"), nb::arg("background") = false,
+          nb::arg("stored") = 0)
+      .def("set_record_geometry", [](ExpertRing& r, uint32_t hidden, uint32_t intermediate) {
+            try {
+              r.set_record_geometry(hidden, intermediate);
+            } catch (const std::exception& e) {
+              throw nb::value_error(e.what());
+            }
+          }, nb::arg("hidden"), nb::arg("intermediate"))
       .def("expedite", [](ExpertRing& r, uint64_t i) {
             check(i < r.n_slots(), "slot out of range");
             return r.expedite(i);

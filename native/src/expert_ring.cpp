@@ -9,6 +9,7 @@
 #include <string>
 
 #include "mosaic/crc32.h"
+#include "mosaic/vault_format.h"
 
 namespace mosaic {
 
@@ -57,8 +58,18 @@ void ExpertRing::shutdown() {
   direct_fd_ = buffered_fd_ = -1;
 }
 
-void ExpertRing::submit(uint64_t i, uint64_t offset, uint64_t length, uint32_t crc, bool background) {
+void ExpertRing::set_record_geometry(uint32_t hidden, uint32_t intermediate) {
+  if (record_layout(QuantType::Q4_G32, ScaleDtype::F16, hidden, intermediate).record_bytes > slot_bytes_)
+    throw std::invalid_argument("ExpertRing::set_record_geometry: a Q4_G32 record of it does not fit a slot");
+  hidden_ = hidden, intermediate_ = intermediate;
+}
+
+void ExpertRing::submit(uint64_t i, uint64_t offset, uint64_t length, uint32_t crc, bool background,
+                        uint32_t stored) {
   if (i >= n_slots_ || length > slot_bytes_) throw std::out_of_range("ExpertRing::submit: slot or length out of range");
+  if (stored != 0 && (hidden_ == 0 || (stored != static_cast<uint32_t>(QuantType::Q3_G32) &&
+                                       stored != static_cast<uint32_t>(QuantType::Q2_G32))))
+    throw std::invalid_argument("ExpertRing::submit: only Q3_G32 and Q2_G32 records widen, after set_record_geometry");
   if (stop_) throw std::logic_error("ExpertRing::submit: the ring is shut down");
   const SlotState s = state(i);
   if (s == SlotState::Loading || s == SlotState::InUse)
@@ -66,7 +77,7 @@ void ExpertRing::submit(uint64_t i, uint64_t offset, uint64_t length, uint32_t c
   set_state(i, SlotState::Loading);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    latest_[i] = {i, offset, length, crc, latest_[i].generation + 1};
+    latest_[i] = {i, offset, length, crc, latest_[i].generation + 1, stored};
     taken_[i] = false;
     (background ? background_ : demand_).push(latest_[i]);
     if (!background) demand_generation_[i] = latest_[i].generation;
@@ -142,6 +153,7 @@ bool ExpertRing::read_all(const Request& r, ReadFailure& f) {
     f.bad_crc = true;
     return false;
   }
+  if (r.stored != 0) widen_record(dst, QuantType(r.stored), hidden_, intermediate_);
   return true;
 }
 

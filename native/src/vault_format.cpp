@@ -27,6 +27,11 @@ RecordLayout record_layout(QuantType quant, ScaleDtype scale_dtype, uint32_t hid
     if (quant == QuantType::Q4_G32 || quant == QuantType::MXFP4_G32) {  // both: 32 weights, 16 bytes a block
       const uint64_t blocks = (cols + kQ4Block - 1) / kQ4Block;
       code_rows = rows, code_cols = blocks * kQ4BlockBytes, scale_rows = rows, scale_cols = blocks;
+    } else if (quant == QuantType::Q3_G32 || quant == QuantType::Q2_G32) {
+      if (scale_dtype != ScaleDtype::F16) throw std::invalid_argument("Q3_G32 and Q2_G32 scales are f16");
+      const uint64_t blocks = (cols + kQ4Block - 1) / kQ4Block;
+      code_rows = rows, code_cols = blocks * (quant == QuantType::Q3_G32 ? kQ3BlockBytes : kQ2BlockBytes);
+      scale_rows = rows, scale_cols = blocks;
     } else if (quant == QuantType::FP8_B128) {
       code_rows = rows, code_cols = cols;
       scale_rows = (rows + kFp8Block - 1) / kFp8Block, scale_cols = (cols + kFp8Block - 1) / kFp8Block;

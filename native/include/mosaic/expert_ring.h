@@ -53,7 +53,12 @@ class ExpertRing final : public Arrivals {
   // A background read (a fill of the ring ahead of need) starts only while no demand read is queued or in
   // progress, one at a time, and leaves the slot Ready, not InUse: it never delays a layer by more than
   // the one read it may have in flight.
-  void submit(uint64_t i, uint64_t offset, uint64_t length, uint32_t crc, bool background = false);
+  // stored: the record's type when it is a low-bit one (Q3_G32, Q2_G32) that the I/O thread widens to
+  // Q4_G32 in the slot after its CRC-32 checks (set_record_geometry first), else 0.
+  void submit(uint64_t i, uint64_t offset, uint64_t length, uint32_t crc, bool background = false,
+              uint32_t stored = 0);
+  // The experts' geometry, which widening needs; the slots must hold a Q4_G32 record of it.
+  void set_record_geometry(uint32_t hidden, uint32_t intermediate);
   // A layer needs slot i's background read now: if it has not started, it joins the demand reads (its
   // place in the background queue is then skipped). Returns whether it did.
   bool expedite(uint64_t i);
@@ -81,7 +86,7 @@ class ExpertRing final : public Arrivals {
   void wait_past(uint64_t epoch) const override;
 
  private:
-  struct Request { uint64_t slot, offset, length; uint32_t crc; uint64_t generation; };
+  struct Request { uint64_t slot, offset, length; uint32_t crc; uint64_t generation; uint32_t stored; };
   struct Queue {  // circular, n_slots entries, allocated once
     std::vector<Request> items;
     uint64_t head = 0, count = 0;
@@ -98,6 +103,7 @@ class ExpertRing final : public Arrivals {
 
   int direct_fd_, buffered_fd_;
   uint64_t n_slots_, slot_bytes_;
+  uint32_t hidden_ = 0, intermediate_ = 0;  // set_record_geometry: what a widened record is
   uint8_t* memory_ = nullptr;
   std::unique_ptr<std::atomic<int32_t>[]> states_;
   std::unique_ptr<ReadFailure[]> failures_;
