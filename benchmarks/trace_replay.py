@@ -19,7 +19,9 @@ KV cache, torch), so the page cache cannot hold the rest of the vault. Reads are
 is the only cache. The routing override (NativeExperts.replay_routing) is a benchmark facility; nothing
 else on the decode path changes, read-ahead and the ring policy included.
 
-Printed per run (one JSON line): tok_per_s, hit_rate, bytes_read_per_token, disk_gbps (every record of
+Printed per run (one JSON line): tok_per_s, hit_rate, bytes_read_per_token, disk_busy_share (the share of
+the run during which at least one read was in progress) and busy_gbps (the bytes over that time: the
+disk's own rate while the engine kept it busy), disk_gbps (every record of
 the same vault read once through the engine's own ring, no compute, right before and right after the run,
 the faster of the two: what this disk gives this reader at best now), io_floor_tok_per_s (disk_gbps over
 the bytes read per token: what the reads alone allow), read-ahead counts, the Belady hit-rate bound for
@@ -182,6 +184,7 @@ def worker(spec: dict) -> dict:
     experts.replay_routing = lambda layer: current[0][layer]
     digest = hashlib.sha256()
     n = 0
+    busy0 = engine.store.ring.busy_seconds
     t = time.perf_counter()
     with engine._held():
         for ids, routes in sequences:
@@ -191,13 +194,15 @@ def worker(spec: dict) -> dict:
                 digest.update(logits.numpy().tobytes())
                 n += 1
     elapsed = time.perf_counter() - t
+    busy = engine.store.ring.busy_seconds - busy0
     c, io = engine.store.policy.counters, engine.store.io
     hits, misses = sum(v.hits for v in c.values()), sum(v.misses for v in c.values())
     out = dict(tokens=n, tok_per_s=n / elapsed, hit_rate=hits / (hits + misses), ring_slots=engine.store.policy.usable,
                bytes_read_per_token=io.bytes_read / n, reads_per_token=io.reads / n,
                ahead_per_token=io.ahead_reads / n, ahead_used=io.ahead_used / max(1, io.ahead_reads),
                read_gbps=io.bytes_read / elapsed / 1e9, io_mode=engine.store.ring.mode, io_wait_s=io.io_s,
-               kernel_s=experts.kernel_s, logits_sha256=digest.hexdigest()[:16])
+               kernel_s=experts.kernel_s, logits_sha256=digest.hexdigest()[:16],
+               disk_busy_share=busy / elapsed, busy_gbps=io.bytes_read / max(busy, 1e-9) / 1e9)
     engine.close()
     return out
 

@@ -93,6 +93,11 @@ class Ring:
         return self.native.failure(slot)
 
     @property
+    def busy_seconds(self) -> float:
+        """Seconds during which at least one read was in progress: the device busy on the ring's behalf."""
+        return self.native.busy_seconds
+
+    @property
     def address(self) -> int:
         return self.native.address
 

@@ -381,6 +381,8 @@ void init_io(nb::module_& m) {
       .def("inject_faults", &ExpertRing::inject_faults, nb::arg("count"), nb::arg("error"),
            "tests only: the next `count` reads fail with errno `error`, or come back short when it is 0")
       .def_prop_ro("bytes_read", &ExpertRing::bytes_read)
+      .def_prop_ro("busy_seconds", &ExpertRing::busy_seconds,
+                   "seconds during which at least one read was in progress")
       .def("view", [](nb::handle self) {
             // The whole ring as a uint8 array [n_slots, slot_bytes] (no copy; keeps the ring alive).
             ExpertRing& r = nb::cast<ExpertRing&>(self);

@@ -121,18 +121,18 @@ void ExpertRing::discard(uint64_t i) {
 #endif
 }
 
-bool ExpertRing::read_all(const Request& r, ReadFailure& f) {
-  f = {0, false, r.offset, 0, r.length};
-  uint8_t* dst = slot(r.slot);
-  if (faults_left_.load(std::memory_order_relaxed) > 0 && faults_left_.fetch_sub(1) > 0) {  // inject_faults
-    if (fault_errno_.load() != 0) {
-      f.error = fault_errno_.load();
-      return false;
-    }
-    const ssize_t got = pread(buffered_fd_, dst, r.length / 2, static_cast<off_t>(r.offset));
-    f.done = got > 0 ? static_cast<uint64_t>(got) : 0;
-    return false;  // as if the file ended there
+bool ExpertRing::pread_record(const Request& r, ReadFailure& f, uint8_t* dst) {
+  {
+    std::lock_guard<std::mutex> lock(busy_mu_);
+    if (reading_++ == 0) busy_since_ = std::chrono::steady_clock::now();
   }
+  struct Done {  // the read's end, however it ends, closes the busy stretch if it was the last
+    ExpertRing* ring;
+    ~Done() {
+      std::lock_guard<std::mutex> lock(ring->busy_mu_);
+      if (--ring->reading_ == 0) ring->busy_ += std::chrono::steady_clock::now() - ring->busy_since_;
+    }
+  } done{this};
   while (f.done < r.length) {
     const bool use_direct = direct_fd_ >= 0 && !fell_back_.load(std::memory_order_relaxed);
     const ssize_t got = pread(use_direct ? direct_fd_ : buffered_fd_, dst + f.done, r.length - f.done,
@@ -149,6 +149,22 @@ bool ExpertRing::read_all(const Request& r, ReadFailure& f) {
     if (got == 0) return false;  // end of file: the vault is shorter than its index says
     f.done += static_cast<uint64_t>(got);
   }
+  return true;
+}
+
+bool ExpertRing::read_all(const Request& r, ReadFailure& f) {
+  f = {0, false, r.offset, 0, r.length};
+  uint8_t* dst = slot(r.slot);
+  if (faults_left_.load(std::memory_order_relaxed) > 0 && faults_left_.fetch_sub(1) > 0) {  // inject_faults
+    if (fault_errno_.load() != 0) {
+      f.error = fault_errno_.load();
+      return false;
+    }
+    const ssize_t got = pread(buffered_fd_, dst, r.length / 2, static_cast<off_t>(r.offset));
+    f.done = got > 0 ? static_cast<uint64_t>(got) : 0;
+    return false;  // as if the file ended there
+  }
+  if (!pread_record(r, f, dst)) return false;
   if (crc32(0, dst, r.length) != r.crc) {
     f.bad_crc = true;
     return false;
@@ -185,6 +201,13 @@ void ExpertRing::worker() {
     work_cv_.notify_one();  // a background read may start now
     done_cv_.notify_all();
   }
+}
+
+double ExpertRing::busy_seconds() const {
+  std::lock_guard<std::mutex> lock(busy_mu_);
+  auto busy = busy_;
+  if (reading_ > 0) busy += std::chrono::steady_clock::now() - busy_since_;
+  return std::chrono::duration<double>(busy).count();
 }
 
 SlotState ExpertRing::wait(uint64_t i) const {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -79,6 +80,8 @@ class ExpertRing final : public Arrivals {
     faults_left_.store(count);
   }
   uint64_t bytes_read() const { return bytes_read_.load(); }
+  // Seconds during which at least one read was in progress (the device busy on the ring's behalf), up to now.
+  double busy_seconds() const;
 
   // Arrivals, for the MoE driver: which slots hold usable records, and a way to sleep until one more does.
   uint64_t epoch() const override { return epoch_.load(std::memory_order_acquire); }
@@ -99,7 +102,8 @@ class ExpertRing final : public Arrivals {
     }
   };
   void worker();
-  bool read_all(const Request& r, ReadFailure& f);
+  bool read_all(const Request& r, ReadFailure& f);  // read, check the CRC-32, widen
+  bool pread_record(const Request& r, ReadFailure& f, uint8_t* dst);  // the bytes alone, timed as busy
 
   int direct_fd_, buffered_fd_;
   uint64_t n_slots_, slot_bytes_;
@@ -119,6 +123,11 @@ class ExpertRing final : public Arrivals {
   std::atomic<bool> fell_back_{false};
   std::atomic<int> faults_left_{0}, fault_errno_{0};
   std::atomic<uint64_t> bytes_read_{0};
+  // busy_seconds: reads in progress, when the latest stretch of busy time began, and the closed stretches
+  mutable std::mutex busy_mu_;
+  int reading_ = 0;
+  std::chrono::steady_clock::time_point busy_since_;
+  std::chrono::steady_clock::duration busy_{};
   std::atomic<uint64_t> epoch_{0};
   mutable std::mutex mu_;
   std::condition_variable work_cv_;
