@@ -34,7 +34,7 @@ ASAN_BUILD := build/asan
 ASAN_TESTS := tests/test_kernels.py tests/test_attention.py tests/test_ring.py tests/test_native_format.py \
 	tests/test_decode_layer.py tests/test_hybrid.py tests/test_engine.py tests/test_backbone_modes.py \
 	tests/test_golden_qwen3_moe.py tests/test_kv_cache.py tests/test_device_tier.py tests/test_faults.py \
-	tests/test_quant.py
+	tests/test_quant.py tests/test_mixed_precision.py
 test-asan: setup
 	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Release -DMOSAIC_SANITIZE=ON \
 		-DPython_EXECUTABLE=$(abspath $(BIN)/python) > $(ASAN_BUILD).log 2>&1 || { tail -40 $(ASAN_BUILD).log; false; }

@@ -302,8 +302,10 @@ class VaultHeader:
             bad("header_size", hsize, 12, f"must be {HEADER_SIZE}")
         if page != PAGE_SIZE:
             bad("page_size", page, 16, f"must be {PAGE_SIZE}")
-        if quant not in QuantType._value2member_map_ or QuantType(quant) not in HEADER_QUANTS:
+        if quant not in QuantType._value2member_map_:
             bad("quant_type", quant, 20, "unknown quant type")
+        if QuantType(quant) not in HEADER_QUANTS:
+            bad("quant_type", quant, 20, "a record type of a per-record vault, not a vault's type")
         if sdt not in ScaleDtype._value2member_map_:
             bad("scale_dtype", sdt, 24, "unknown scale dtype")
         required = REQUIRED_SCALE_DTYPE.get(QuantType(quant))
