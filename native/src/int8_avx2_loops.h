@@ -3,8 +3,9 @@
 // A function's target cannot depend on a template parameter, so each includer defines, in its own
 // anonymous namespace before including this, MOSAIC_INT8_TARGET (the loops' target) and
 // `__m256i pair_dots(lo, ql, hi, qh)`: lane i = the sum of codes x activations over bytes 4i..4i+3 of
-// lo x ql plus hi x qh (codes unsigned, activations signed). Both sums are exact, so the two files agree bit
-// for bit. Internal to native/src; no include guard: included once per instruction set, inside a namespace,
+// lo x ql plus hi x qh (codes unsigned, activations signed), and `__m256i lane_dots(w, xl, xh)`: lane r = the
+// sum over k < 4 of the four codes of row r in w[8 k + r] x activations xl[4k..4k+3], plus w[32 + 8 k + r] x
+// xh[4k..4k+3] (rows in lanes; w an int32 array, any alignment). Every sum is exact, so the two files agree bit for bit. Internal to native/src; no include guard: included once per instruction set, inside a namespace,
 // after <immintrin.h>, <algorithm>, <cstring>, <vector>, mosaic/kernels.h, prefill_blocks.h and simd_avx2.h.
 
 // x is quantised once per call to int8 per 32-block (scale sx = amax/127, rounded to nearest even), as the
@@ -196,6 +197,102 @@ MOSAIC_INT8_TARGET float int8_row_one(const uint8_t* row, const Scale* rs, int b
 // Tokens a prefill step shares a row's unpacked codes among: four keep every accumulator in the 16 registers.
 constexpr int kInt8Tokens = 4;
 
+// --- A prefill with rows in lanes (kernels_avx512.cpp's, eight rows a vector) ---------------------------
+// int8_row spends a convert, a scale permute and an FMA a token on every two blocks of every row beside its
+// dot products. Here a vector holds 8 rows: a row tile's codes are transposed once (RowTile) so that dword
+// group k of a block is one vector of the 8 rows' four codes, and a token's four activations of that group
+// are a broadcast operand. A block against a token is then the includer's lane_dots (eight dot steps into
+// one int32 sum a row), one convert, one multiply by d * sx and two FMAs (the sum, less the codes' offset),
+// for 8 rows x 32 columns.
+constexpr int kLaneRows = 8;
+
+struct RowTile {
+  std::vector<int32_t> codes;  // [blocks][8 groups][8 rows]: four unsigned codes (w + zero) a dword
+  std::vector<float> d;        // [blocks][8 rows]: weight scales (MXFP4's halved: its codes are doubled)
+  std::vector<float> rows_d;   // [8 rows][groups * 8]: the scales as converted, before their transpose
+};
+
+// Rows [r0, r0 + rows) as a RowTile: a block's 16 code bytes of each row transposed four at a time (rows r
+// and r + 4 share a vector, unpacked by dwords then quadwords, as a 4 x 4 transpose in each 128-bit half),
+// their low nibbles groups 0-3 (the block's low-nibble elements, as quantise_x lays them) and high nibbles
+// groups 4-7. Missing rows repeat row r0; their sums are never stored. (vpgatherdd, one a group, made the
+// transpose cost more than the tile's pass against 32 tokens on AMD Zen 3.)
+template <typename Codes, typename Scale>
+MOSAIC_INT8_TARGET void row_tile_codes(const MatvecArgs& a, int r0, int rows, int blocks, int groups,
+                                       RowTile& out) {
+  const auto* scales = static_cast<const Scale*>(a.scales);
+  out.codes.resize(static_cast<size_t>(blocks) * 8 * kLaneRows);
+  out.d.resize(static_cast<size_t>(blocks) * kLaneRows);
+  out.rows_d.resize(static_cast<size_t>(kLaneRows) * groups * kInt8Group);
+  const size_t row_bytes = static_cast<size_t>(blocks) * kQ4Bytes;
+  const uint8_t* row[kLaneRows];
+  for (int i = 0; i < kLaneRows; ++i) row[i] = a.codes + static_cast<uint64_t>(r0 + (i < rows ? i : 0)) * row_bytes;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  // 2 * e2m1 + 12 by code, in each 128-bit lane for vpshufb
+  const __m256i table = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                                         12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+  const size_t d_stride = static_cast<size_t>(groups) * kInt8Group;
+  for (int i = 0; i < kLaneRows; ++i) {  // each row's scales as floats, eight at a time
+    const Scale* rs = scales + static_cast<uint64_t>(r0 + (i < rows ? i : 0)) * blocks;
+    float* d = out.rows_d.data() + i * d_stride;
+    for (int g = 0; g < groups; ++g)
+      _mm256_storeu_ps(d + g * kInt8Group, group_scales<Codes>(rs + g * kInt8Group, std::min(kInt8Group, blocks - g * kInt8Group)));
+  }
+  auto load = [&](int lo_row, int b) MOSAIC_INT8_TARGET {  // rows lo_row and lo_row + 4, block b
+    return _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row[lo_row] + b * kQ4Bytes))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(row[lo_row + 4] + b * kQ4Bytes)), 1);
+  };
+  for (int b = 0; b < blocks; ++b) {
+    const __m256i a0 = load(0, b), a1 = load(1, b), a2 = load(2, b), a3 = load(3, b);
+    const __m256i t0 = _mm256_unpacklo_epi32(a0, a1), t1 = _mm256_unpackhi_epi32(a0, a1);
+    const __m256i t2 = _mm256_unpacklo_epi32(a2, a3), t3 = _mm256_unpackhi_epi32(a2, a3);
+    // dword m of the block, rows 0-3 in the low half and 4-7 in the high: lane order is row order
+    const __m256i dw[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                           _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+    int32_t* w = out.codes.data() + static_cast<size_t>(b) * 8 * kLaneRows;
+    for (int m = 0; m < 4; ++m) {
+      __m256i lo = _mm256_and_si256(dw[m], low4), hi = _mm256_and_si256(_mm256_srli_epi32(dw[m], 4), low4);
+      if constexpr (Codes::kMx) lo = _mm256_shuffle_epi8(table, lo), hi = _mm256_shuffle_epi8(table, hi);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + m * kLaneRows), lo);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + (4 + m) * kLaneRows), hi);
+    }
+    for (int i = 0; i < kLaneRows; ++i) out.d[static_cast<size_t>(b) * kLaneRows + i] = out.rows_d[i * d_stride + b];
+  }
+}
+
+// A row tile's 8 rows against tokens [t0, t0 + NT): y[t][r0 + lane] for the first `rows` lanes.
+template <int NT>
+MOSAIC_INT8_TARGET void row_tile_tokens(const RowTile& tile, int blocks, const QuantisedX& qx, size_t q_stride,
+                                        size_t s_stride, int t0, int r0, int rows, float* y, int64_t ldy) {
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+  for (int b = 0; b < blocks; ++b) {
+    const int32_t* w = tile.codes.data() + static_cast<size_t>(b) * 8 * kLaneRows;
+    const __m256 d = _mm256_loadu_ps(tile.d.data() + static_cast<size_t>(b) * kLaneRows);
+    // block b's activations within its pair: the low-nibble elements at 16 (b % 2), the high at 32 + that
+    const size_t at = static_cast<size_t>(b / 2) * 64 + static_cast<size_t>(b % 2) * 16;
+    for (int t = 0; t < NT; ++t) {
+      const int8_t* q = qx.q.data() + static_cast<size_t>(t0 + t) * q_stride + at;
+      const size_t s = static_cast<size_t>(t0 + t) * s_stride + b;
+      const __m256 dot = _mm256_cvtepi32_ps(lane_dots(w, q, q + 32));
+      acc[t] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(qx.sx[s])), acc[t]);
+      acc[t] = _mm256_fnmadd_ps(d, _mm256_set1_ps(qx.off[s]), acc[t]);
+    }
+  }
+  alignas(32) float out[kLaneRows];
+  for (int t = 0; t < NT; ++t) {
+    _mm256_store_ps(out, acc[t]);
+    std::memcpy(y + static_cast<uint64_t>(t0 + t) * ldy + r0, out, sizeof(float) * rows);
+  }
+}
+
+// Tokens a row tile's pass takes at once: six accumulators live across the blocks (eight spilled, and ran
+// 0.75-0.9x six), and the calls that take the rows-in-lanes loop at all: at 8 tokens the two loops were even
+// (`MOSAIC_ISA=avx2 python benchmarks/matvec_bench.py --tokens 8`, AMD Zen 3), at 12 this one ran 1.2x.
+constexpr int kLaneTokens = 6;
+constexpr int kLaneMinTokens = 8;
+
 // Q4 (f16 scales) or MXFP4 (E8M0 scales) against int8 activations.
 template <typename Codes, typename Scale>
 MOSAIC_INT8_TARGET void int8_matvec(const MatvecArgs& a) {
@@ -211,8 +308,26 @@ MOSAIC_INT8_TARGET void int8_matvec(const MatvecArgs& a) {
                                    qx.sx.data(), qx.off.data());
     return;
   }
-  // A prefill: row panels in L2, token tiles in L1 (prefill_blocks.h).
   const size_t q_stride = static_cast<size_t>(pairs) * 64, s_stride = static_cast<size_t>(groups) * kInt8Group;
+  if (a.n >= kLaneMinTokens) {  // a prefill: 8 rows a vector, a row tile transposed once for every token
+    thread_local RowTile tile;
+    for (int r0 = 0; r0 < a.rows; r0 += kLaneRows) {
+      const int rows = std::min(kLaneRows, a.rows - r0);
+      row_tile_codes<Codes, Scale>(a, r0, rows, blocks, groups, tile);
+      for (int t = 0; t < a.n; t += kLaneTokens) {
+        switch (std::min(kLaneTokens, a.n - t)) {
+          case 6: row_tile_tokens<6>(tile, blocks, qx, q_stride, s_stride, t, r0, rows, a.y, a.ldy); break;
+          case 5: row_tile_tokens<5>(tile, blocks, qx, q_stride, s_stride, t, r0, rows, a.y, a.ldy); break;
+          case 4: row_tile_tokens<4>(tile, blocks, qx, q_stride, s_stride, t, r0, rows, a.y, a.ldy); break;
+          case 3: row_tile_tokens<3>(tile, blocks, qx, q_stride, s_stride, t, r0, rows, a.y, a.ldy); break;
+          case 2: row_tile_tokens<2>(tile, blocks, qx, q_stride, s_stride, t, r0, rows, a.y, a.ldy); break;
+          default: row_tile_tokens<1>(tile, blocks, qx, q_stride, s_stride, t, r0, rows, a.y, a.ldy);
+        }
+      }
+    }
+    return;
+  }
+  // A short prefill: row panels in L2, token tiles in L1 (prefill_blocks.h).
   const int panel = detail::prefill_row_panel(static_cast<size_t>(blocks) * kQ4Bytes);
   auto tile = [&](auto tokens, int r0, int r1, int t) MOSAIC_INT8_TARGET {
     constexpr int nt = decltype(tokens)::value;

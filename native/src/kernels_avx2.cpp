@@ -132,6 +132,20 @@ MOSAIC_AVX2 inline __m256i pair_dots(__m256i lo, __m256i ql, __m256i hi, __m256i
   const __m256i pairs16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, ql), _mm256_maddubs_epi16(hi, qh));
   return _mm256_madd_epi16(pairs16, _mm256_set1_epi16(1));
 }
+// A half's four vpmaddubsw add in int16 (at most 4 x 2 x 24 x 127 = 24,384: no saturation), one vpmaddwd each.
+MOSAIC_AVX2 inline __m256i lane_dots(const int32_t* w, const int8_t* xl, const int8_t* xh) {
+  auto half = [](const int32_t* wk, const int8_t* x) MOSAIC_AVX2 {
+    int32_t v[4];
+    std::memcpy(v, x, sizeof(v));
+    auto step = [&](int k) MOSAIC_AVX2 {
+      return _mm256_maddubs_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 8 * k)),
+                                  _mm256_set1_epi32(v[k]));
+    };
+    const __m256i sum = _mm256_add_epi16(_mm256_add_epi16(step(0), step(1)), _mm256_add_epi16(step(2), step(3)));
+    return _mm256_madd_epi16(sum, _mm256_set1_epi16(1));
+  };
+  return _mm256_add_epi32(half(w, xl), half(w + 32, xh));
+}
 #include "int8_avx2_loops.h"
 #undef MOSAIC_INT8_TARGET
 

@@ -19,6 +19,18 @@ namespace {
 MOSAIC_INT8_TARGET inline __m256i pair_dots(__m256i lo, __m256i ql, __m256i hi, __m256i qh) {
   return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo, ql), hi, qh);
 }
+MOSAIC_INT8_TARGET inline __m256i lane_dots(const int32_t* w, const int8_t* xl, const int8_t* xh) {
+  int32_t vl[4], vh[4];
+  std::memcpy(vl, xl, sizeof(vl));
+  std::memcpy(vh, xh, sizeof(vh));
+  auto codes = [&](int k) MOSAIC_INT8_TARGET { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 8 * k)); };
+  __m256i sum = _mm256_setzero_si256();
+  for (int k = 0; k < 4; ++k) {
+    sum = _mm256_dpbusd_avx_epi32(sum, codes(k), _mm256_set1_epi32(vl[k]));
+    sum = _mm256_dpbusd_avx_epi32(sum, codes(4 + k), _mm256_set1_epi32(vh[k]));
+  }
+  return sum;
+}
 #include "int8_avx2_loops.h"
 
 MOSAIC_INT8_TARGET void q4_avx_vnni(const MatvecArgs& a) { int8_matvec<Q4Codes, uint16_t>(a); }
