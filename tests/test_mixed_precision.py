@@ -176,6 +176,7 @@ def test_the_ring_widens_what_it_reads(tmp_path, io):
                         bytes(want[plane.offset:plane.offset + plane.nbytes])
             store.release(slots)
             assert store.ring.native.bytes_read == sum(v.entry(0, e).length for e in range(3))
+            assert store.io.bytes_read == store.ring.native.bytes_read  # what was read, not the slots' size
         finally:
             store.close()
 

@@ -308,10 +308,11 @@ class ExpertStore:
                 error = error or self._read_error(key, *self.ring.failure(slot))
                 continue
             self.slot_table[key] = slot
+            stored = self.vault.entry(*key).length  # what was read: a low-bit record's own size
             if background:
-                self.io.preload_bytes += self.ring.slot_bytes
+                self.io.preload_bytes += stored
             else:
-                self.io.bytes_read += self.ring.slot_bytes
+                self.io.bytes_read += stored
         if error is not None:
             self.release(slots)
             raise error
