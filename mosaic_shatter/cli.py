@@ -266,7 +266,8 @@ def verify(out, quiet):
         for p in problems:
             click.echo(f"FAIL {p}", err=True)
         _fail(f"{len(problems)} problem(s) in {out}", 1)
-    types = ", ".join(f"{n} {q}" for q, n in vault.record_quants.items()) if vault.header.per_record_quant else vault.quant
+    per_record = vault.header.per_record_quant
+    types = ", ".join(f"{n} {q}" for q, n in vault.record_quants.items()) if per_record else vault.quant
     click.echo(f"ok {out}: {vault.header.num_records} records ({types}), index, metadata and backbone intact")
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from mosaic_runtime.vault.format import PROJECTIONS, QuantType, RecordLayout, projection_shape
-from mosaic_runtime.vault.quant import (dequantize_fp8, dequantize_mxfp4, quantize_fp8, quantize_low_bit, quantize_mxfp4,
-                                        quantize_q4)
+from mosaic_runtime.vault.quant import (dequantize_fp8, dequantize_mxfp4, quantize_fp8, quantize_low_bit,
+                                        quantize_mxfp4, quantize_q4)
 from mosaic_runtime.vault.record import pack_record
 
 from . import int4_source, mxfp4_source

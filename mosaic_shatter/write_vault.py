@@ -117,8 +117,8 @@ class VaultWriter:
         if missing:
             raise RuntimeError(f"{len(missing)} records were never written, first {missing[0]}")
         quants = self.record_quants or [0] * len(self.keys)
-        index = pack_index(IndexEntry(layer, expert, self.record_offset(i), self.lengths[i], self.crcs[i], int(quants[i]))
-                           for i, (layer, expert) in enumerate(self.keys))
+        index = pack_index(IndexEntry(layer, expert, self.record_offset(i), self.lengths[i], self.crcs[i],
+                                      int(quants[i])) for i, (layer, expert) in enumerate(self.keys))
         # The metadata region runs from arch_offset to data_offset, zero padding included (§3).
         meta = bytearray(h.data_offset - h.arch_offset)
         for offset, blob in ((h.arch_offset, arch), (h.lineage_offset, lineage), (h.index_offset, index)):

@@ -11,9 +11,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mosaic_runtime.vault import Reason, VaultError, open_vault
-from mosaic_runtime.vault.format import (BACKBONE_FILE, FLAG_EXPERT_BIAS, HEADER_QUANTS, HEADER_SIZE, INDEX_ENTRY_SIZE, PAGE_SIZE,
-                                         REQUIRED_SCALE_DTYPE, VAULT_FILE, IndexEntry, QuantType, ScaleDtype,
-                                         VaultHeader, crc32, encode_meta, pack_index, plan_header, record_layout)
+from mosaic_runtime.vault.format import (BACKBONE_FILE, FLAG_EXPERT_BIAS, HEADER_QUANTS, HEADER_SIZE, INDEX_ENTRY_SIZE,
+                                         PAGE_SIZE, REQUIRED_SCALE_DTYPE, VAULT_FILE, IndexEntry, QuantType,
+                                         ScaleDtype, VaultHeader, crc32, encode_meta, pack_index, plan_header,
+                                         record_layout)
 from mosaic_runtime.vault.quant import quantize_fp8, quantize_mxfp4, quantize_q4
 from mosaic_runtime.vault.record import pack_record, record_biases
 from mosaic_shatter.write_vault import VaultWriter

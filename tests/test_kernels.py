@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from mosaic_runtime import _native
 from mosaic_runtime.experts import expert_ffn, expert_format
 from mosaic_runtime.recipe import Activation, ExpertActivation
-from mosaic_runtime.vault.format import (HEADER_QUANTS, PROJECTIONS, REQUIRED_SCALE_DTYPE, QuantType, ScaleDtype, projection_shape,
-                                         record_layout)
+from mosaic_runtime.vault.format import (HEADER_QUANTS, PROJECTIONS, REQUIRED_SCALE_DTYPE, QuantType, ScaleDtype,
+                                         projection_shape, record_layout)
 from mosaic_runtime.vault.quant import (dequantize_fp8, dequantize_mxfp4, dequantize_q4, quantize_fp8, quantize_mxfp4,
                                         quantize_q4)
 from mosaic_runtime.vault.record import dequantize_record, pack_record, record_biases

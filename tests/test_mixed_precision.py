@@ -22,8 +22,8 @@ from mosaic_runtime.cache.store import ExpertStore
 from mosaic_runtime.engine import Engine
 from mosaic_runtime.vault import Reason, VaultError, open_vault
 from mosaic_runtime.vault.format import (BACKBONE_FILE, FLAG_PER_RECORD_QUANT, HEADER_SIZE, INDEX_ENTRY_SIZE,
-                                         LOW_BIT_TYPES, PAGE_SIZE, RECORD_QUANTS, VAULT_FILE, QuantType, ScaleDtype, VaultHeader,
-                                         crc32, encode_meta, plan_header, record_layout)
+                                         LOW_BIT_TYPES, PAGE_SIZE, RECORD_QUANTS, VAULT_FILE, QuantType, ScaleDtype,
+                                         VaultHeader, crc32, encode_meta, plan_header, record_layout)
 from mosaic_runtime.vault.quant import (dequantize_low_bit, dequantize_q4, pack_low_bit, quantize_low_bit, quantize_q4,
                                         unpack_low_bit, widen_to_q4)
 from mosaic_runtime.vault.record import dequantize_record, pack_record, widen_record

@@ -5,8 +5,10 @@
 // `__m256i pair_dots(lo, ql, hi, qh)`: lane i = the sum of codes x activations over bytes 4i..4i+3 of
 // lo x ql plus hi x qh (codes unsigned, activations signed), and `__m256i lane_dots(w, xl, xh)`: lane r = the
 // sum over k < 4 of the four codes of row r in w[8 k + r] x activations xl[4k..4k+3], plus w[32 + 8 k + r] x
-// xh[4k..4k+3] (rows in lanes; w an int32 array, any alignment). Every sum is exact, so the two files agree bit for bit. Internal to native/src; no include guard: included once per instruction set, inside a namespace,
-// after <immintrin.h>, <algorithm>, <cstring>, <vector>, mosaic/kernels.h, prefill_blocks.h and simd_avx2.h.
+// xh[4k..4k+3] (rows in lanes; w an int32 array, any alignment). Every sum is exact, so the two files agree
+// bit for bit. Internal to native/src; no include guard: included once per instruction set, inside a
+// namespace, after <immintrin.h>, <algorithm>, <cstring>, <vector>, mosaic/kernels.h, prefill_blocks.h and
+// simd_avx2.h.
 
 // x is quantised once per call to int8 per 32-block (scale sx = amax/127, rounded to nearest even), as the
 // VNNI kernel does. 32 bytes of codes are two blocks: their low nibbles (elements 0..15 of each) and high
@@ -235,8 +237,10 @@ MOSAIC_INT8_TARGET void row_tile_codes(const MatvecArgs& a, int r0, int rows, in
   for (int i = 0; i < kLaneRows; ++i) {  // each row's scales as floats, eight at a time
     const Scale* rs = scales + static_cast<uint64_t>(r0 + (i < rows ? i : 0)) * blocks;
     float* d = out.rows_d.data() + i * d_stride;
-    for (int g = 0; g < groups; ++g)
-      _mm256_storeu_ps(d + g * kInt8Group, group_scales<Codes>(rs + g * kInt8Group, std::min(kInt8Group, blocks - g * kInt8Group)));
+    for (int g = 0; g < groups; ++g) {
+      const int b0 = g * kInt8Group;
+      _mm256_storeu_ps(d + b0, group_scales<Codes>(rs + b0, std::min(kInt8Group, blocks - b0)));
+    }
   }
   auto load = [&](int lo_row, int b) MOSAIC_INT8_TARGET {  // rows lo_row and lo_row + 4, block b
     return _mm256_inserti128_si256(

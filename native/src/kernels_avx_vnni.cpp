@@ -23,7 +23,9 @@ MOSAIC_INT8_TARGET inline __m256i lane_dots(const int32_t* w, const int8_t* xl, 
   int32_t vl[4], vh[4];
   std::memcpy(vl, xl, sizeof(vl));
   std::memcpy(vh, xh, sizeof(vh));
-  auto codes = [&](int k) MOSAIC_INT8_TARGET { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 8 * k)); };
+  auto codes = [&](int k) MOSAIC_INT8_TARGET {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 8 * k));
+  };
   __m256i sum = _mm256_setzero_si256();
   for (int k = 0; k < 4; ++k) {
     sum = _mm256_dpbusd_avx_epi32(sum, codes(k), _mm256_set1_epi32(vl[k]));
