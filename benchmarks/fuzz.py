@@ -36,15 +36,28 @@ TARGETS = ("vault", "checkpoint", "template")
 
 # ---------------------------------------------------------------------------------------------- seeds
 
-def vault_seed(work: Path) -> bytes:
-    """The bundled model's Q4 vault up to its first record: fixed header, arch, lineage, index."""
-    out = work / "stdlib-moe-q4"
-    if not (out / "experts.vault").exists():
-        from mosaic_shatter.convert import convert
-        convert(str(ROOT / "examples" / "stdlib-moe"), out, "q4", progress=False, force=True)
-    raw = (out / "experts.vault").read_bytes()
-    (data_offset,) = struct.unpack_from("<Q", raw, 104)
-    return raw[:data_offset]
+def vault_seeds(work: Path) -> list[bytes]:
+    """The bundled model's Q4 vault up to its first record (fixed header, arch, lineage, index), and the same
+    with experts at their own precision (per-record types and lengths in the index)."""
+    from mosaic_shatter.convert import convert
+    from mosaic_shatter.precision import ROUTING_FORMAT, MixedPrecision
+    seeds = []
+    for name in ("stdlib-moe-q4", "stdlib-moe-mixed"):
+        out = work / name
+        if not (out / "experts.vault").exists():
+            mixed = None
+            if name.endswith("mixed"):  # counts that keep the first experts of each layer at Q4
+                config = json.loads((ROOT / "examples" / "stdlib-moe" / "config.json").read_text())
+                experts, layers = config["num_local_experts"], config["num_hidden_layers"]
+                routing = work / "routing.json"
+                routing.write_text(json.dumps({"format": ROUTING_FORMAT, "tokens": 1, "counts": {
+                    str(layer): list(range(experts, 0, -1)) for layer in range(layers)}}))
+                mixed = MixedPrecision.of(routing, "q3", 0.8)
+            convert(str(ROOT / "examples" / "stdlib-moe"), out, "q4", progress=False, force=True, mixed=mixed)
+        raw = (out / "experts.vault").read_bytes()
+        (data_offset,) = struct.unpack_from("<Q", raw, 104)
+        seeds.append(raw[:data_offset])
+    return seeds
 
 
 def checkpoint_seeds(work: Path) -> list[bytes]:
@@ -149,7 +162,7 @@ class Template:
             pass
 
 
-HARNESSES = {"vault": (Vault, lambda work: [vault_seed(work)]), "checkpoint": (Checkpoint, checkpoint_seeds),
+HARNESSES = {"vault": (Vault, vault_seeds), "checkpoint": (Checkpoint, checkpoint_seeds),
              "template": (Template, template_seeds)}
 
 
