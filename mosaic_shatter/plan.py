@@ -10,7 +10,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from mosaic_runtime.vault.format import (PROJECTIONS, QuantType, ScaleDtype, encode_meta, plan_header,
+from mosaic_runtime.vault.format import (HEADER_QUANTS, PROJECTIONS, QuantType, ScaleDtype, encode_meta, plan_header,
                                          projection_shape, record_layout)
 
 from .architectures import Architecture, Role, UnsupportedModel, architecture_for
@@ -124,7 +124,7 @@ class Plan:
         rows, cols = projection_shape("gate", self.hidden, self.intermediate)
         n = rows * cols
         source = int(3 * n * self.source_format["expert_bytes_per_weight"])
-        per_expert = source + 8 * 4 * n + max(self.record_bytes(q) for q in QuantType)
+        per_expert = source + 8 * 4 * n + max(self.record_bytes(q) for q in HEADER_QUANTS)
         return BASELINE_RAM + 2 * workers * per_expert + 4 * CHUNK_BYTES
 
 
