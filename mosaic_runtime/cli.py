@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import sys
+from pathlib import Path
 
 import click
 
@@ -184,7 +185,7 @@ def calibrate(model, text, out, window, max_tokens) -> None:
         with Engine.open(model, max_seq=window, precision="exact") as engine:
             if engine.codec is None:
                 raise ValueError(f"{model} has no tokenizer to read the calibration text with")
-            ids = [i for path in text for i in engine.codec.encode(open(path, encoding="utf-8").read())]
+            ids = [i for path in text for i in engine.codec.encode(Path(path).read_text(encoding="utf-8"))]
             ids = ids[:max_tokens] if max_tokens else ids
             if not ids:
                 raise ValueError("the calibration text holds no tokens")
