@@ -51,23 +51,18 @@ def calibration_ids(engine, tokens: int) -> list[int]:
     return ids[:tokens]
 
 
-def bytes_per_token(engine, counts: dict[int, list[int]], tokens: int) -> float:
-    """Stored bytes of the records the routing selects, per token, with nothing cached."""
-    vault = engine.vault
-    return sum(n * vault.entry(layer, e).length for layer, row in counts.items() for e, n in enumerate(row)) / tokens
-
-
 RING_SHARES = (0.25, 0.5)
 
 
-def ring_bytes_per_token(engine, trace) -> list[float]:
-    """Stored bytes read a token through rings of RING_SHARES of the records, on the held-out trace."""
+def bytes_per_token(engine, trace) -> list[float]:
+    """Stored bytes a token reads on the held-out trace: with nothing cached (every selected record), then
+    through rings of RING_SHARES of the records."""
     vault = engine.vault
     sizes = np.array([[vault.entry(layer, e).length for e in range(trace.n_experts)] for layer in vault.moe_layers])
-    out = []
+    rows = np.arange(trace.layers)[:, None]
+    out = [sum(int(sizes[rows, s].sum()) for s in trace.sequences) / trace.tokens_total]  # s: [T, L, k] ids
     for share in RING_SHARES:
-        slots = round(share * sizes.size)
-        policy = RoutingPolicy(slots, list(range(trace.layers)), trace.n_experts, trace.top_k)
+        policy = RoutingPolicy(round(share * sizes.size), list(range(trace.layers)), trace.n_experts, trace.top_k)
         out.append(ring_hit_rate(policy, trace, sizes).bytes_per_token)
     return out
 
@@ -80,8 +75,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
     wins = windows(args.model, args.windows)
-    held = [i for w in wins for i in w]
-    trace, _ = bundled_trace(args.model, args.windows)
+    trace, _ = bundled_trace(args.model, args.windows)  # the held-out windows' routing, for the I/O
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -89,7 +83,6 @@ def main() -> None:
         with Engine.open(uniform, max_seq=SEQ, precision="exact") as engine:
             calib = calibration_ids(engine, args.calibration_tokens)
             write_routing(tmp / "routing.json", engine, routing_counts(engine, calib, SEQ), len(calib), ["stdlib"])
-            held_counts = routing_counts(engine, held, SEQ)  # the held-out text's own routing, for the I/O
         variants = [("uniform Q4", None)]
         for cold in ("q3", "q2"):
             variants += [(f"Q4 for {m:.0%} of the routing, {cold.upper()} tail", (cold, m)) for m in (0.9, 0.8, 0.6)]
@@ -107,8 +100,8 @@ def main() -> None:
                     ppl, _ = score(engine.logits, wins)
                     result.append(ppl)
                     if precision == "exact":
-                        result += [bytes_per_token(engine, held_counts, len(held)), ring_bytes_per_token(engine, trace),
-                                   (out / "experts.vault").stat().st_size, engine.vault.record_quants]
+                        cold, *ring = bytes_per_token(engine, trace)
+                        result += [cold, ring, (out / "experts.vault").stat().st_size, engine.vault.record_quants]
             rows.append(result)
     base_ppl, base_cold, base_ring = rows[0][1], rows[0][2], rows[0][3]
     print(f"calibration: {len(calib):,} training-side tokens; held out: {len(wins)} windows of {SEQ} tokens\n")

@@ -194,7 +194,7 @@ class ExpertStore:
 
     def _submit(self, slot: int, key: tuple[int, int], background: bool = False) -> None:
         entry = self.vault.entry(*key)
-        widen = entry.quant if entry.stored_quant(self.vault.header) in LOW_BIT_TYPES else 0
+        widen = entry.quant if entry.quant in LOW_BIT_TYPES else 0  # 0: read as stored
         self.ring.submit(slot, entry.offset, entry.length, entry.crc32, background, widen)
         self._reading[slot] = (key, background)
         self.io.reads += 1

@@ -25,15 +25,15 @@ def scale_dtype_of(dtype: torch.dtype) -> ScaleDtype:
 
 
 # --- Q4_G32 -------------------------------------------------------------------------------------
-def _q4_codes(blocks: torch.Tensor, d: torch.Tensor):
-    """Codes in [-8, 7] of blocks [R, nb, 32] under f16 scales d [R, nb, 1].
+def _block_codes(blocks: torch.Tensor, d: torch.Tensor, zero: int = Q4_ZERO, top: int = Q4_ZERO - 1):
+    """Signed codes in [-zero, top] (Q4: [-8, 7]) of blocks [R, nb, 32] under f16 scales d [R, nb, 1].
 
     Returns (q, err, qw, qq): err is the block's squared error less sum(w^2) (the same for every d, so
     it drops out of comparisons), from sum(q w) and sum(q q), in float64 so near-ties compare exactly.
     """
     d32 = d.float()
     inv = torch.where(d32 != 0, 1.0 / d32, torch.zeros_like(d32))
-    q = torch.mul(blocks, inv).round_().clamp_(-8, 7)
+    q = torch.mul(blocks, inv).round_().clamp_(-zero, top)
     # In float64 the sums are exact whatever their order (a code times a float32 weight fits in 28 bits,
     # and weights with a non-zero code are within 2^8 of the block's largest), so the native encoder,
     # summing in its own order, reaches the same bits.
@@ -42,6 +42,17 @@ def _q4_codes(blocks: torch.Tensor, d: torch.Tensor):
     qq = (q64 * q64).sum(-1, keepdim=True)
     d64 = d32.double()
     return q, d64 * d64 * qq - 2 * d64 * qw, qw, qq
+
+
+def _padded_blocks(w: torch.Tensor) -> torch.Tensor:
+    """float32 [R, nb, 32] of w [R, C], zero-padded past C (no copy of a float32 w of whole blocks)."""
+    rows, cols = w.shape
+    nb = -(-cols // Q4_BLOCK)
+    if cols == nb * Q4_BLOCK:
+        return w.float().reshape(rows, nb, Q4_BLOCK)
+    blocks = torch.zeros(rows, nb * Q4_BLOCK, dtype=torch.float32)
+    blocks[:, :cols] = w.float()
+    return blocks.view(rows, nb, Q4_BLOCK)
 
 
 try:  # the format side needs no compiled extension (a convert runs without one), but uses it when built
@@ -83,20 +94,15 @@ def quantize_q4_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     rows, cols = w.shape
     nb = -(-cols // Q4_BLOCK)
-    if cols == nb * Q4_BLOCK:
-        blocks = w.float().reshape(rows, nb, Q4_BLOCK)  # [R, nb, 32]
-    else:
-        blocks = torch.zeros(rows, nb * Q4_BLOCK, dtype=torch.float32)
-        blocks[:, :cols] = w.float()
-        blocks = blocks.view(rows, nb, Q4_BLOCK)
+    blocks = _padded_blocks(w)  # [R, nb, 32]
     hi, lo = blocks.amax(-1, keepdim=True), blocks.amin(-1, keepdim=True)  # [R, nb, 1]
     extreme = torch.where(-lo > hi, lo, hi)  # the signed weight of largest magnitude
     if not torch.isfinite(extreme).all():  # amax/amin propagate nan, so this sees every weight
         raise ValueError("weights contain inf or nan")
     d0 = (extreme / -8.0).to(torch.float16)
-    q0, e0, qw, qq = _q4_codes(blocks, d0)
+    q0, e0, qw, qq = _block_codes(blocks, d0)
     d1 = (qw / qq.clamp_min(1.0)).to(torch.float16)
-    q1, e1, _, _ = _q4_codes(blocks, d1)
+    q1, e1, _, _ = _block_codes(blocks, d1)
     better = e1 < e0
     d = torch.where(better, d1, d0)
     if not torch.isfinite(d).all():
@@ -116,27 +122,6 @@ def dequantize_q4(codes: torch.Tensor, scales: torch.Tensor, cols: int) -> torch
 
 
 # --- Q3_G32 and Q2_G32: low-bit record types, widened to Q4_G32 when read ------------------------
-def _padded_blocks(w: torch.Tensor) -> torch.Tensor:
-    """float32 [R, nb, 32] of w [R, C], zero-padded past C."""
-    rows, cols = w.shape
-    nb = -(-cols // Q4_BLOCK)
-    blocks = torch.zeros(rows, nb * Q4_BLOCK, dtype=torch.float32)
-    blocks[:, :cols] = w.float()
-    return blocks.view(rows, nb, Q4_BLOCK)
-
-
-def _low_bit_codes(blocks: torch.Tensor, d: torch.Tensor, zero: int, top: int):
-    """Signed codes in [-zero, top] under f16 scales d, with _q4_codes' error terms (float64)."""
-    d32 = d.float()
-    inv = torch.where(d32 != 0, 1.0 / d32, torch.zeros_like(d32))
-    q = torch.mul(blocks, inv).round_().clamp_(-zero, top)
-    q64 = q.double()
-    qw = (q64 * blocks.double()).sum(-1, keepdim=True)
-    qq = (q64 * q64).sum(-1, keepdim=True)
-    d64 = d32.double()
-    return q, d64 * d64 * qq - 2 * d64 * qw, qw, qq
-
-
 def quantize_low_bit(w: torch.Tensor, quant: QuantType) -> tuple[torch.Tensor, torch.Tensor]:
     """Q3_G32 or Q2_G32: w ~= d * (q - zero), one f16 d per 32 weights of a row (vault_format.md §4.5).
 
@@ -158,9 +143,9 @@ def quantize_low_bit(w: torch.Tensor, quant: QuantType) -> tuple[torch.Tensor, t
     best_q = best_d = best_e = None
     for start in (extreme / -zero, extreme / top):
         d0 = start.to(torch.float16)
-        q0, e0, qw, qq = _low_bit_codes(blocks, d0, zero, top)
+        q0, e0, qw, qq = _block_codes(blocks, d0, zero, top)
         d1 = (qw / qq.clamp_min(1.0)).to(torch.float16)
-        q1, e1, _, _ = _low_bit_codes(blocks, d1, zero, top)
+        q1, e1, _, _ = _block_codes(blocks, d1, zero, top)
         for q, d, e in ((q0, d0, e0), (q1, d1, e1)):
             if best_e is None:
                 best_q, best_d, best_e = q, d, e
