@@ -73,6 +73,7 @@ def main() -> None:
 
         class TimedStep:
             run = staticmethod(timed(lambda *a: "native layer loop", step.run))
+            mlp = staticmethod(timed(lambda *a: "native layer loop", step.mlp))  # a layer's shared expert
             top_k, vocab = step.top_k, step.vocab
         model.native.step_fn = TimedStep()
         if args.torch_path:

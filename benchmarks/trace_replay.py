@@ -45,6 +45,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import mosaic_runtime  # noqa: E402,F401  before torch: the OpenMP settings the engine runs with (README)
 from benchmarks.convert_bench import drop_caches  # noqa: E402
 from benchmarks.geometries import VOCAB  # noqa: E402
 from benchmarks.memlimit import run_worker  # noqa: E402

@@ -34,8 +34,13 @@ class ExpertExecutor:
         """x [T, H], topk_weights [T, k], topk_ids [T, k] -> sum_k w * expert(x), [T, H]."""
         raise NotImplementedError
 
-    def add_decode(self, layer: int, h: np.ndarray, w: np.ndarray, ids: np.ndarray, x: np.ndarray) -> None:
-        """x [H] += sum_k w[k] expert_ids[k](h) for one token (float32 h [H], w [k]; int32 ids [k])."""
+    def add_decode(self, layer: int, h: np.ndarray, w: np.ndarray, ids: np.ndarray, x: np.ndarray,
+                   shared: Callable[[], None] | None = None) -> None:
+        """x [H] += sum_k w[k] expert_ids[k](h) for one token (float32 h [H], w [k]; int32 ids [k]). shared:
+        what adds the layer's shared expert into x, called once before the routed experts are added (an
+        executor that reads records calls it once their reads have started, so that it overlaps them)."""
+        if shared is not None:
+            shared()
         x += self(layer, torch.from_numpy(h)[None], torch.from_numpy(w)[None],
                   torch.from_numpy(ids.astype(np.int64))[None])[0].numpy()
 
@@ -137,11 +142,13 @@ class NativeExperts(ExpertExecutor):
         self.add_decode(layer, xs[0], np.asarray(w, np.float32), np.asarray(ids, np.int32), y[0])
         return y
 
-    def add_decode(self, layer: int, h: np.ndarray, w: np.ndarray, ids: np.ndarray, x: np.ndarray) -> None:
+    def add_decode(self, layer: int, h: np.ndarray, w: np.ndarray, ids: np.ndarray, x: np.ndarray,
+                   shared: Callable[[], None] | None = None) -> None:
         """x [H] += sum_k w[k] expert_ids[k](h) for one token (float32 h [H], w [k]; int32 ids [k]), in
         ascending expert id: the native decode step adds a layer's experts straight into its residual
-        stream. When every record is in the ring already (a model that fits in RAM, once preloaded) the
-        kernel runs on the slots as they are, with none of acquire's pinning and read bookkeeping."""
+        stream, after its shared expert (shared(), run once the misses' reads have started). When every
+        record is in the ring already (a model that fits in RAM, once preloaded) the kernel runs on the
+        slots as they are, with none of acquire's pinning and read bookkeeping."""
         if self.replay_routing is not None:
             ids = np.asarray(self.replay_routing(layer), np.int32)
         order = np.argsort(ids, kind="stable")
@@ -155,9 +162,11 @@ class NativeExperts(ExpertExecutor):
         self.store.routed(layer, experts)
         slots = self.store.resident(layer, experts)
         if slots is None:
-            self._run_group(layer, experts, counts, tokens, weights, xs, y, ahead=True)
+            self._run_group(layer, experts, counts, tokens, weights, xs, y, ahead=True, before=shared)
             return
         self.store.read_ahead(layer, slots)
+        if shared is not None:
+            shared()
         failed, _, total_s = self._k.moe_experts_ring(
             self.isa, self.threads, self.format, self.store.ring.native, np.asarray(slots, np.int32), counts, tokens,
             weights, xs, y, self._scratch_for(k, 1))
@@ -202,15 +211,19 @@ class NativeExperts(ExpertExecutor):
             self._run_group(layer, experts[g0:g1], counts[g0:g1], tokens[lo:hi], weights[lo:hi], xs, y)
         return y
 
-    def _run_group(self, layer: int, experts: list[int], counts, tokens, weights, xs, y, ahead: bool = False) -> None:
+    def _run_group(self, layer: int, experts: list[int], counts, tokens, weights, xs, y, ahead: bool = False,
+                   before: Callable[[], None] | None = None) -> None:
         """y += the experts' outputs (expert i takes the next counts[i] of tokens and weights), the records
         read into the ring as needed; each expert runs as soon as its record is in. ahead (a decode step):
-        the next layer's likely records start reading behind this layer's own."""
+        the next layer's likely records start reading behind this layer's own. before: work that adds into
+        y ahead of the experts, run while their reads are in flight."""
         scratch = self._scratch_for(int(tokens.shape[0]), int(counts.max()))
         slots = self.store.acquire(layer, experts)
         try:
             if ahead:
                 self.store.read_ahead(layer, slots)
+            if before is not None:
+                before()
             # A failed read voids the call (y untouched).
             failed, wait_s, total_s = self._k.moe_experts_ring(
                 self.isa, self.threads, self.format, self.store.ring.native, np.asarray(slots, np.int32), counts,

@@ -117,6 +117,35 @@ def test_native_decode_equals_the_torch_path(vaults, case):
         torch.testing.assert_close(native, reference, atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("case", ["qwen2_moe", "deepseek_v2-lite"])
+def test_a_ring_too_small_gives_the_same_bits_with_shared_experts(vaults, case):
+    """A ring of one layer's top-k reads every layer's experts while the layer's shared expert runs
+    (add_decode's `shared`); a ring of the whole vault runs both in the native layer loop. The residual
+    stream takes the shared expert first either way, so the logits are the same bits."""
+    _, out = vaults(case, "q4", CASES[case].layouts[0])
+    full = Engine.open(out, max_seq=128)
+    full.finish_preload()
+    top_k = int(full.vault.arch["num_experts_per_tok"])
+    tiny = Engine.open(out, max_seq=128, ram_budget=top_k * full.vault.header.record_bytes)
+    assert tiny.store.ring.n_slots == top_k
+    shared_calls = []
+    real_add = tiny.model.experts.add_decode
+
+    def add_decode(layer, h, w, ids, x, shared=None):
+        shared_calls.append(shared is not None)
+        real_add(layer, h, w, ids, x, shared)
+    tiny.model.experts.add_decode = add_decode
+    runs = []
+    for engine in (tiny, full):
+        logits = [engine.logits(PROMPT)[-1]]
+        for _ in range(DECODE_STEPS):
+            logits.append(engine.model.forward(torch.tensor([int(logits[-1].argmax())]),
+                                               engine.model.state.length)[-1])
+        runs.append(torch.stack(logits))
+    assert shared_calls and all(shared_calls)
+    assert torch.equal(runs[0], runs[1])
+
+
 @pytest.mark.parametrize("family", sorted(SKELETONS))
 def test_probe_of_the_real_scale_skeleton(tmp_path, family, monkeypatch):
     want = SKELETONS[family]

@@ -8,6 +8,8 @@ are float32. The torch path of decoder.py is the reference (tests/test_decode_la
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import torch
 
@@ -97,7 +99,10 @@ class NativeStep:
                 experts.ran_natively([i for i in self.moe_layers if first <= i < stop], ids, kernel_s)
             if stop == n:
                 return torch.from_numpy(logits)[None]
-            experts.add_decode(stop, h, weights[stop], ids[stop], x)  # the layer's routed experts, into x
+            # the layer's shared expert, then its routed experts, into x; the executor runs the shared
+            # expert once it has started the reads the routed ones need, so that it overlaps them
+            shared = partial(self.step_fn.mlp, stop, Q4_ISA, threads(), x, h, self.scratch)
+            experts.add_decode(stop, h, weights[stop], ids[stop], x, shared)
             first = stop + 1
 
 

@@ -478,5 +478,15 @@ void init_decode(nb::module_& m) {
          nb::arg("v_scale").none(), nb::arg("topk_weights"), nb::arg("topk_ids"), nb::arg("scratch"),
          nb::arg("experts").none(), nb::arg("logits").none(), nb::arg("kw_run").none() = nb::none(),
          nb::arg("vw_run").none() = nb::none(), nb::arg("kw_scale").none() = nb::none(),
-         nb::arg("vw_scale").none() = nb::none());
+         nb::arg("vw_scale").none() = nb::none())
+      // x [hidden] += layer's shared expert or dense MLP of h [hidden]: what run() leaves to the caller at the
+      // layer it stops at, before the caller adds that layer's routed experts.
+      .def("mlp", [](PyDecodeStep& s, int layer, int isa, int threads, OutVector x, Vector h, OutVector scratch) {
+        check(layer >= 0 && layer < static_cast<int>(s.layers.size()), "mlp: layer");
+        check(isa_available(Isa(isa)), "mlp: this CPU lacks that ISA");
+        check(x.shape(0) == static_cast<size_t>(s.hidden) && h.shape(0) == x.shape(0), "mlp: x and h [hidden]");
+        check(scratch.shape(0) >= s.scratch_floats, "mlp: scratch too small");
+        nb::gil_scoped_release release;
+        decode_mlp(s.layers[layer], h.data(), x.data(), scratch.data(), threads, Isa(isa));
+      }, nb::arg("layer"), nb::arg("isa"), nb::arg("threads"), nb::arg("x"), nb::arg("h"), nb::arg("scratch"));
 }

@@ -346,9 +346,9 @@ uint64_t decode_layer_scratch_floats(const DecodeLayer& L) {
   return 2 * static_cast<uint64_t>(L.hidden) + std::max({mixer, router, mlp});
 }
 
-// x += the layer's mixer; h = post-attention norm of x; the router's top-k; x += the shared expert or
-// dense MLP. The routed experts are the caller's (decode_layers).
-void decode_layer(const DecodeLayer& L, const KvRuns& kv, float* x, float* h, int pos, const float* cos,
+// x += the layer's mixer; h = post-attention norm of x; the router's top-k. The shared expert or dense MLP
+// is decode_mlp's, the routed experts the caller's (decode_layers).
+void decode_mixer(const DecodeLayer& L, const KvRuns& kv, float* x, float* h, int pos, const float* cos,
                   const float* signed_sin, float* topk_weights, int32_t* topk_ids, float* scratch, int threads,
                   Isa isa) {
   const int H = L.hidden;
@@ -365,9 +365,14 @@ void decode_layer(const DecodeLayer& L, const KvRuns& kv, float* x, float* h, in
   rms_norm(x, L.post_norm, H, L.eps, h);
   const Ffn& f = L.ffn;
   if (f.router.gate.rows) route(f.router, h, topk_weights, topk_ids, work, threads, isa);
+}
+
+// x += the shared expert or dense MLP of h (nothing for an MoE layer without one).
+void decode_mlp(const DecodeLayer& L, const float* h, float* x, float* scratch, int threads, Isa isa) {
+  const Ffn& f = L.ffn;
   if (f.gate.rows == 0) return;
-  const int I = f.gate.rows;
-  float* g = work;
+  const int H = L.hidden, I = f.gate.rows;
+  float* g = scratch + 2 * static_cast<int64_t>(H);  // the work area of decode_mixer's scratch layout
   float* u = g + I;
   float* y = u + I;
   const BackboneMatrix* gu[] = {&f.gate, &f.up};

@@ -1,9 +1,9 @@
-// A decode step's layer loop in one call: each layer's mixer, router and shared expert or dense MLP
-// (decode_layer), then its routed experts straight from the ring into the residual stream, while every
-// record they need is held. The loop stops at the first MoE layer it cannot finish alone (an expert whose
-// record is not held, or no ring at all), with that layer's h and top-k left for the caller, which adds its
-// routed experts and calls again from the next; the call that finishes the last layer also runs the final
-// norm and lm_head when given a head.
+// A decode step's layer loop in one call: each layer's mixer and router (decode_mixer), its shared expert or
+// dense MLP (decode_mlp), then its routed experts straight from the ring into the residual stream, while
+// every record they need is held. The loop stops at the first MoE layer it cannot finish alone (an expert
+// whose record is not held, or no ring at all), with that layer's h and top-k left for the caller, which
+// starts its reads, adds its shared expert and routed experts and calls again from the next; the call that
+// finishes the last layer also runs the final norm and lm_head when given a head.
 // It exists for speed only: per layer, the Python loop it replaces cost as much as 0.1 ms of interpreter
 // work, most of it cache misses after the weights streamed through.
 #include "mosaic/decode.h"
@@ -20,9 +20,12 @@ DecodeLayersResult decode_layers(const DecodeLayer* layers, int n_layers, int fi
     const DecodeLayer& L = layers[i];
     float* w = topk_weights + static_cast<int64_t>(i) * top_k_stride;
     int32_t* ids = topk_ids + static_cast<int64_t>(i) * top_k_stride;
-    decode_layer(L, kv, x, h, pos, cos, signed_sin, w, ids, scratch, threads, isa);
+    decode_mixer(L, kv, x, h, pos, cos, signed_sin, w, ids, scratch, threads, isa);
     const int k = L.ffn.router.top_k;
-    if (L.ffn.router.gate.rows == 0) continue;  // a dense layer: done
+    if (L.ffn.router.gate.rows == 0) {  // a dense layer: its MLP, and done
+      decode_mlp(L, h, x, scratch, threads, isa);
+      continue;
+    }
     if (experts == nullptr) return {i, result.kernel_s};
     // The experts in ascending id (the combine order of every executor), each from its held record.
     int order[64];
@@ -41,6 +44,7 @@ DecodeLayersResult decode_layers(const DecodeLayer* layers, int n_layers, int fi
       sorted_w[j] = w[order[j]];
       tasks[j] = {experts->ring->slot(slot), &token, &sorted_w[j], 1, -1};
     }
+    decode_mlp(L, h, x, scratch, threads, isa);  // the shared expert first: the caller's order too
     MoeTiming timing;
     moe_experts(experts->layout, experts->act, h, L.hidden, tasks, k, x, experts->scratch, experts->isa,
                 experts->threads, nullptr, &timing);

@@ -158,21 +158,25 @@ struct DecodeLayersResult {
 // Scratch floats one layer's step needs (decode_layers takes the largest over its layers).
 uint64_t decode_layer_scratch_floats(const DecodeLayer& layer);
 // x += the layer's mixer; h = the post-attention norm of x; an MoE layer's top-k into topk_weights /
-// topk_ids; x += its shared expert or dense MLP. Its routed experts are left to the caller.
-void decode_layer(const DecodeLayer& layer, const KvRuns& kv, float* x, float* h, int pos, const float* cos,
+// topk_ids. Its shared expert or dense MLP is decode_mlp's, its routed experts the caller's.
+void decode_mixer(const DecodeLayer& layer, const KvRuns& kv, float* x, float* h, int pos, const float* cos,
                   const float* signed_sin, float* topk_weights, int32_t* topk_ids, float* scratch, int threads,
                   Isa isa);
+// x += the layer's shared expert or dense MLP of h (nothing for an MoE layer without one); scratch as
+// decode_mixer's.
+void decode_mlp(const DecodeLayer& layer, const float* h, float* x, float* scratch, int threads, Isa isa);
 // logits = lm_head(RMSNorm(x)); scratch holds hidden floats.
 void decode_head(const DecodeHead& head, const float* x, float* logits, float* scratch, int threads, Isa isa);
 
 // One decode step from layer `first` on, at position pos (cos / signed_sin: its RoPE tables, rot_dim each).
 // x [hidden] is the residual stream, updated in place; h [hidden] receives each layer's post-attention norm.
-// Each MoE layer's router writes topk_weights / topk_ids [n_layers, top_k] (its row), then its experts are
-// added into x from the ring while their records are held (ascending expert id), and its shared expert.
-// The loop stops at the first MoE layer whose experts it cannot run (experts null, or a record not held):
-// that layer's mixer, shared expert and router are done, h and its top-k are set, and the caller adds its
-// routed experts into x and calls again from the next layer. With a head, the call that finishes the last
-// layer also writes logits [vocab].
+// Each MoE layer's router writes topk_weights / topk_ids [n_layers, top_k] (its row), then its shared
+// expert and its routed experts (ascending expert id, from the ring while their records are held) are
+// added into x. The loop stops at the first MoE layer whose experts it cannot run (experts null, or a
+// record not held): that layer's mixer and router are done, h and its top-k are set, and the caller adds
+// its shared expert (decode_mlp) and then its routed experts into x, in that order, and calls again from
+// the next layer. The shared expert is left to the caller so that it can run while the caller's reads
+// are in flight. With a head, the call that finishes the last layer also writes logits [vocab].
 DecodeLayersResult decode_layers(const DecodeLayer* layers, int n_layers, int first, const KvRuns& kv,
                                  const LoopExperts* experts, const DecodeHead* head, float* x, float* h, int pos,
                                  const float* cos, const float* signed_sin, float* topk_weights, int32_t* topk_ids,
