@@ -5,7 +5,8 @@ sequential O_DIRECT read of the same file in the same run.
 
 Reads go through the engine's own ExpertStore and native ring: groups of 8 distinct experts of one layer at a time (a
 decode step's top-8), all misses (a ring of 8 slots, every group new), in a seeded random order, with
-the CRC-32 check every read gets. Run benchmarks/convert_bench.py first to make the vault.
+the CRC-32 check every read gets. Run benchmarks/convert_bench.py first to make the vault. stream_all reads
+the same way with the queue kept full (benchmarks/trace_replay.py's disk probe).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.convert_bench import drop_caches, raw_read  # noqa: E402
-from mosaic_runtime.cache.store import ExpertStore  # noqa: E402
+from mosaic_runtime.cache.ring import Ring, SlotState  # noqa: E402
+from mosaic_runtime.cache.store import IO_THREADS, ExpertStore  # noqa: E402
 from mosaic_runtime.vault import open_vault  # noqa: E402
 
 TOP_K = 8
@@ -47,6 +49,36 @@ def read_all(vault, io: str, seed: int) -> float:
     n = store.io.bytes_read
     store.close()
     return n / dt / 1e9
+
+
+def stream_all(vault, io: str, seed: int, in_flight: int = 3 * IO_THREADS) -> float:
+    """GB/s reading every record once through the engine's ring in a seeded random order with the queue
+    kept full (`in_flight` reads at a time, the next started as soon as the oldest lands): the most this
+    reader gets from the disk, with no gap between one batch's last read and the next batch's first."""
+    ring = Ring(vault.path, in_flight, vault.header.record_bytes, io, IO_THREADS)
+    keys = list(vault.entries)
+    random.Random(seed).shuffle(keys)
+    n = 0
+    t = time.perf_counter()
+    try:
+        for i, key in enumerate(keys):
+            slot = i % in_flight
+            if i >= in_flight:
+                _landed(ring, slot)
+            entry = vault.entry(*key)
+            ring.submit(slot, entry.offset, entry.length, entry.crc32)
+            n += entry.length
+        for slot in range(min(in_flight, len(keys))):
+            _landed(ring, slot)
+        return n / (time.perf_counter() - t) / 1e9
+    finally:
+        ring.close()
+
+
+def _landed(ring: Ring, slot: int) -> None:
+    if ring.wait(slot) != SlotState.IN_USE:
+        raise RuntimeError(f"slot {slot}: a read failed")
+    ring.set_state(slot, SlotState.EMPTY)
 
 
 def main() -> None:

@@ -22,8 +22,8 @@ else on the decode path changes, read-ahead and the ring policy included.
 Printed per run (one JSON line): tok_per_s, hit_rate, bytes_read_per_token, disk_busy_share (the share of
 the run during which at least one read was in progress) and busy_gbps (the bytes over that time: the
 disk's own rate while the engine kept it busy), disk_gbps (every record of
-the same vault read once through the engine's own ring, no compute, right before and right after the run,
-the faster of the two: what this disk gives this reader at best now), io_floor_tok_per_s (disk_gbps over
+the same vault read once through the engine's own ring with its queue kept full, no compute, right before
+and right after the run, the faster of the two: what this disk gives this reader at best now), io_floor_tok_per_s (disk_gbps over
 the bytes read per token: what the reads alone allow), read-ahead counts, the Belady hit-rate bound for
 the same ring over the same tokens, and a hash of every logit (the same at every budget: memory buys
 speed, never quality).
@@ -143,13 +143,13 @@ def randomise_records(model: Path) -> None:
 
 
 def disk_gbps(model: Path) -> float:
-    """GB/s reading every record of the vault once through the engine's ring (Direct I/O, a layer's
-    top-k at a time, page cache dropped first): the rate the replay's reads could reach at best."""
-    from benchmarks.reader_bench import read_all
+    """GB/s reading every record of the vault once through the engine's ring (Direct I/O, the queue kept
+    full, page cache dropped first): the rate the replay's reads could reach at best."""
+    from benchmarks.reader_bench import stream_all
     from mosaic_runtime.vault import open_vault
 
     drop_caches()
-    return read_all(open_vault(model), "direct", seed=0)
+    return stream_all(open_vault(model), "direct", seed=0)
 
 
 # -------------------------------------------------------------------------------------------- replaying
