@@ -3,7 +3,7 @@
 import os
 
 # OpenMP threads sleep between parallel regions instead of spinning (read once, when the OpenMP runtime
-# loads with the compiled extension). A spinning thread holds a core the ring's I/O threads need to start
+# loads: with the compiled extension, or with torch, whose libgomp.so.1 the extension then shares). A spinning thread holds a core the ring's I/O threads need to start
 # reads and check records: on two cores that cost a model larger than RAM 10-15 % of its decode speed
 # (benchmarks/RESULTS.md, "Larger than RAM"); a model that fits decodes as fast either way. A value the user
 # set is kept.
