@@ -2,11 +2,11 @@
 
 import os
 
-# OpenMP threads sleep between parallel regions instead of spinning (read once, when the OpenMP runtime
-# loads: with the compiled extension, or with torch, whose libgomp.so.1 the extension then shares). A spinning thread holds a core the ring's I/O threads need to start
-# reads and check records: on two cores that cost a model larger than RAM 10-15 % of its decode speed
-# (benchmarks/RESULTS.md, "Larger than RAM"); a model that fits decodes as fast either way. A value the user
-# set is kept.
+# OpenMP threads sleep between parallel regions instead of spinning. The runtime reads this once, when it
+# loads: with the compiled extension, or earlier with torch, whose libgomp.so.1 the extension then shares.
+# A spinning thread holds a core the ring's I/O threads need to start reads and check records: on two
+# cores that cost a model larger than RAM 10-15 % of its decode speed (benchmarks/RESULTS.md, "Larger than
+# RAM"); a model that fits decodes as fast either way. A value the user set is kept.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from .vault import Reason, Vault, VaultError, open_vault
