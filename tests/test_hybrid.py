@@ -6,12 +6,15 @@ sides run a chunked delta rule over 70+ tokens in float32, with different formul
 UT transform against our triangular solve), so their rounding differs more than in plain attention.
 """
 
+import numpy as np
 import pytest
 import torch
 
 from builders import tiny_hybrid
 from mosaic_runtime.engine import Engine
-from mosaic_runtime.models.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from mosaic_runtime import _native
+from mosaic_runtime.models.delta_rule import (chunk_gated_delta_rule, native_gated_delta_rule,
+                                              recurrent_gated_delta_rule)
 from mosaic_shatter.convert import convert
 from reference import reference_model
 
@@ -63,6 +66,45 @@ def test_chunked_delta_rule_equals_the_recurrence(t):
     o1 = recurrent_gated_delta_rule(q, k, v, gate, beta, s1)
     o2 = chunk_gated_delta_rule(q, k, v, gate, beta, s2)
     assert (o1 - o2).abs().max() <= 1e-5 and (s1 - s2).abs().max() <= 1e-5
+
+
+K = _native.kernels
+FLOAT_ISAS = [isa for isa in (K.SCALAR, K.AVX2, K.AVX512, K.NEON) if K.isa_available(isa)]
+
+
+@pytest.mark.parametrize("isa", FLOAT_ISAS, ids=K.isa_name)
+@pytest.mark.parametrize("t, hk, hv, dk, dv", [(1, 1, 1, 16, 8), (7, 2, 6, 17, 45), (65, 3, 3, 33, 64),
+                                               (150, 2, 4, 128, 97)])
+def test_native_delta_rule_equals_the_recurrence(isa, t, hk, hv, dk, dv):
+    """The native prefill form (key heads read in place, the state's columns in blocks of 32 with a ragged
+    last one, v a strided view) against the torch recurrence on the repeated heads; the thread count
+    changes no bit (each block of a head is one thread's)."""
+    g = torch.Generator().manual_seed(t + dv)
+    q = torch.nn.functional.normalize(torch.randn(t, hk, dk, generator=g), dim=-1) * dk ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(t, hk, dk, generator=g), dim=-1)
+    v = torch.randn(t, hv * dv + 5, generator=g)[:, 5:].view(t, hv, dv)  # heads contiguous, tokens strided
+    gate, beta = -torch.rand(t, hv, generator=g) * 3, torch.rand(t, hv, generator=g)
+    s0 = torch.randn(hv, dk, dv, generator=g)
+    ref_state = s0.clone()
+    ref = recurrent_gated_delta_rule(q.repeat_interleave(hv // hk, 1), k.repeat_interleave(hv // hk, 1), v, gate,
+                                     beta, ref_state)
+    runs = []
+    for threads in (1, 2):
+        state, out = s0.clone(), np.empty((t, hv, dv), np.float32)
+        K.gated_delta_rule(isa, threads, q.numpy(), k.numpy(), v.numpy(), gate.numpy(), beta.numpy(), state.numpy(),
+                           out)
+        runs.append((torch.from_numpy(out), state))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    assert (runs[0][0] - ref).abs().max() <= 1e-5 and (runs[0][1] - ref_state).abs().max() <= 1e-5
+    with_threads = native_gated_delta_rule(q, k, v, gate, beta, s0.clone())  # the engine's call
+    assert (with_threads - ref).abs().max() <= 1e-5
+
+
+def test_native_delta_rule_rejects_shapes_that_disagree():
+    q = np.zeros((4, 2, 8), np.float32)
+    v, gb = np.zeros((4, 3, 8), np.float32), np.zeros((4, 3), np.float32)
+    with pytest.raises(ValueError, match="gated_delta_rule: shapes"):  # 3 value heads cannot share 2 key heads
+        K.gated_delta_rule(K.SCALAR, 1, q, q, v, gb, gb, np.zeros((3, 8, 8), np.float32), np.zeros_like(v))
 
 
 @pytest.mark.parametrize("quant", ["q4", "fp8"])

@@ -18,7 +18,7 @@ from ..experts import ExpertExecutor
 from ..ops import linear
 from ..routing import route
 from .base import cached_attention, rms_norm, swiglu
-from .delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from .delta_rule import chunk_gated_delta_rule, native_gated_delta_rule, recurrent_gated_delta_rule
 from ..recipe import Attention, DeltaNet, Ffn, LatentAttention, ModelRecipe, QkNorm
 from .rope import Rotary
 from .state import SequenceState
@@ -124,12 +124,16 @@ class Decoder:
             conv.addcmul_(rows[j:j + t], w.conv[:, j])
         conv_state.copy_(rows[-(k_size - 1):].T)
         conv = F.silu(conv, inplace=True)
-        rep = hv // dn.key_heads  # value head h reads key head h // rep
-        q = l2norm(conv[:, :kd].view(t, dn.key_heads, dn.key_dim).repeat_interleave(rep, 1)) * dn.key_dim ** -0.5
-        k = l2norm(conv[:, kd:2 * kd].view(t, dn.key_heads, dn.key_dim).repeat_interleave(rep, 1))
+        q = l2norm(conv[:, :kd].view(t, dn.key_heads, dn.key_dim)) * dn.key_dim ** -0.5
+        k = l2norm(conv[:, kd:2 * kd].view(t, dn.key_heads, dn.key_dim))
         v = conv[:, 2 * kd:].view(t, hv, dv)
-        rule = recurrent_gated_delta_rule if t == 1 else chunk_gated_delta_rule
-        o = rule(q, k, v, g, beta, self.state.recurrent[slot])  # [T, Hv, dv]
+        state = self.state.recurrent[slot]
+        if t > 1 and conv.device.type == "cpu":
+            o = native_gated_delta_rule(q, k, v, g, beta, state)  # [T, Hv, dv]
+        else:
+            rep = hv // dn.key_heads  # value head h reads key head h // rep
+            rule = recurrent_gated_delta_rule if t == 1 else chunk_gated_delta_rule
+            o = rule(q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1), v, g, beta, state)
         o = rms_norm(o, w.norm, self.recipe.eps) * F.silu(z)
         return linear(o.reshape(t, hv * dv), w.out)
 

@@ -1,5 +1,7 @@
-"""The gated delta rule of Gated DeltaNet layers, in two forms with one signature: a recurrent step loop
-(decode) and a chunked form (prefill). Both are torch ops in float32 and agree to rounding.
+"""The gated delta rule of Gated DeltaNet layers, in two torch forms with one signature: a recurrent step
+loop (decode) and a chunked form (prefill on any device); and the native core's (prefill on the CPU:
+delta_rule.cpp, the recurrence a block of the state's columns at a time, every key head read in place by
+its value heads). All three are float32 and agree to rounding.
 
 Per value head h, with k and q L2-normalised (q also scaled by 1/sqrt(dk)) and g <= 0 a log-decay:
     S = exp(g_t) * S                      decay first
@@ -11,9 +13,14 @@ State S: [Hv, dk, dv]; q, k: [T, Hv, dk]; v: [T, Hv, dv]; g, beta: [T, Hv].
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from .. import _native
+from ..ops import threads
+
 CHUNK = 64
+_ISA = _native.kernels.best_isa()
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
@@ -60,3 +67,12 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor, chunk: int = C
         state.mul_(last.exp()[:, None, None])
         state.add_((kc * (last[:, None] - cum).exp()[:, :, None]).transpose(1, 2) @ u)
     return out
+
+
+def native_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
+    """The same on the CPU in the native core. q, k [T, Hk, dk] per key head (value head h reads key head
+    h // (Hv // Hk)); v [T, Hv, dv] with contiguous heads (a view of the conv's output will do)."""
+    out = np.empty(v.shape, np.float32)
+    _native.kernels.gated_delta_rule(_ISA, threads(), q.contiguous().numpy(), k.contiguous().numpy(), v.numpy(),
+                                     g.contiguous().numpy(), beta.contiguous().numpy(), state.numpy(), out)
+    return torch.from_numpy(out)

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "mosaic/crc32.h"
+#include "mosaic/decode.h"
 #include "mosaic/encode.h"
 #include "mosaic/expert_ring.h"
 #include "mosaic/kernels.h"
@@ -250,6 +251,39 @@ void init_kernels(nb::module_& m) {
     nb::gil_scoped_release release;
     linear_q4(codes.data(), scales.data(), static_cast<int>(codes.shape(0)), static_cast<int>(cols), x.data(),
               static_cast<int>(x.shape(0)), y.data(), threads, Isa(isa));
+  });
+  k.def("gated_delta_rule", [](int isa, int threads, nb::ndarray<const float, nb::ndim<3>, nb::c_contig, nb::device::cpu> q,
+                               nb::ndarray<const float, nb::ndim<3>, nb::c_contig, nb::device::cpu> k,
+                               nb::ndarray<const float, nb::ndim<3>, nb::device::cpu> v, Matrix g, Matrix beta,
+                               nb::ndarray<float, nb::ndim<3>, nb::c_contig, nb::device::cpu> state,
+                               nb::ndarray<float, nb::ndim<3>, nb::c_contig, nb::device::cpu> out) {
+    // The gated delta rule over a prompt (decode.h): q, k [T, key_heads, key_dim]; v [T, value_heads,
+    // value_dim] with contiguous heads (any token stride); g, beta [T, value_heads]; state [value_heads,
+    // key_dim, value_dim] updated in place; out [T, value_heads, value_dim].
+    const size_t t = q.shape(0), hk = q.shape(1), dk = q.shape(2), hv = v.shape(1), dv = v.shape(2);
+    check(k.shape(0) == t && k.shape(1) == hk && k.shape(2) == dk && v.shape(0) == t && hk > 0 && hv % hk == 0 &&
+              g.shape(0) == t && g.shape(1) == hv && beta.shape(0) == t && beta.shape(1) == hv &&
+              state.shape(0) == hv && state.shape(1) == dk && state.shape(2) == dv && out.shape(0) == t &&
+              out.shape(1) == hv && out.shape(2) == dv,
+          "gated_delta_rule: shapes");
+    check(v.stride(2) == 1 && v.stride(1) == static_cast<int64_t>(dv), "gated_delta_rule: v's heads must be contiguous");
+    check(isa_available(Isa(isa)), "gated_delta_rule: this CPU lacks that ISA");
+    DeltaRuleTokens r;
+    r.tokens = static_cast<int>(t);
+    r.key_heads = static_cast<int>(hk);
+    r.value_heads = static_cast<int>(hv);
+    r.key_dim = static_cast<int>(dk);
+    r.value_dim = static_cast<int>(dv);
+    r.q = q.data();
+    r.k = k.data();
+    r.v = v.data();
+    r.v_token_stride = v.stride(0);
+    r.g = g.data();
+    r.beta = beta.data();
+    r.state = state.data();
+    r.out = out.data();
+    nb::gil_scoped_release release;
+    gated_delta_rule(r, threads, Isa(isa));
   });
   k.def("encode_q4", [](int threads, Weights2d w, nb::ndarray<uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> codes,
                         nb::ndarray<uint16_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> scales) {

@@ -9,38 +9,15 @@
 #include <omp.h>
 
 #include "mosaic/decode.h"
+#include "delta_rule.h"
 
 namespace mosaic {
 namespace {
 
-// The delta rule on one value head's state S [dk, dv] (row i: key dim i), in two passes over S, the second
-// from cache: S = decay * S; u = beta * (v - S^T k); S += k u^T; o = S^T q.
-// Written as plain loops over the value dim, which the compiler vectorises for the target it is built for.
-__attribute__((always_inline)) inline void delta_head(float* __restrict S, const float* __restrict q,
-                                                       const float* __restrict k, const float* __restrict v, float decay,
-                                                       float beta, int dk, int dv, float* __restrict u,
-                                                       float* __restrict o) {
-  for (int j = 0; j < dv; ++j) u[j] = 0.f;
-  for (int i = 0; i < dk; ++i) {
-    float* row = S + static_cast<int64_t>(i) * dv;
-    const float ki = k[i];
-    for (int j = 0; j < dv; ++j) {
-      row[j] *= decay;
-      u[j] += row[j] * ki;
-    }
-  }
-  for (int j = 0; j < dv; ++j) {
-    u[j] = (v[j] - u[j]) * beta;
-    o[j] = 0.f;
-  }
-  for (int i = 0; i < dk; ++i) {
-    float* row = S + static_cast<int64_t>(i) * dv;
-    const float ki = k[i], qi = q[i];
-    for (int j = 0; j < dv; ++j) {
-      row[j] += ki * u[j];
-      o[j] += row[j] * qi;
-    }
-  }
+// The delta rule on one value head's whole state S [dk, dv] (delta_rule.h).
+__attribute__((always_inline)) inline void delta_head(float* S, const float* q, const float* k, const float* v,
+                                                       float decay, float beta, int dk, int dv, float* u, float* o) {
+  delta_columns(S, dv, q, k, v, decay, beta, dk, dv, u, o);
 }
 
 #if defined(MOSAIC_X86)

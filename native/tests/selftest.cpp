@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "mosaic/crc32.h"
+#include "mosaic/decode.h"
 #include "mosaic/kernels.h"
 #include "mosaic/vault_format.h"
 
@@ -327,6 +328,64 @@ void check_attention() {
     }
 }
 
+// --- the gated delta rule over a prompt -----------------------------------------------------------------
+
+// Every ISA's gated_delta_rule (the scalar one too) against the recurrence in double, one token at a time.
+void check_delta_rule() {
+  struct Case {
+    int tokens, key_heads, value_heads, dk, dv;
+  };
+  const Case cases[] = {{1, 1, 1, 8, 8}, {7, 2, 6, 17, 45}, {70, 1, 2, 128, 128}, {33, 3, 3, 20, 97}};
+  std::vector<Isa> isas = isas_under_test();
+  isas.insert(isas.begin(), Isa::Scalar);
+  for (const Case& c : cases) {
+    const int rep = c.value_heads / c.key_heads;
+    const size_t qk_n = static_cast<size_t>(c.tokens) * c.key_heads * c.dk;
+    const size_t v_n = static_cast<size_t>(c.tokens) * c.value_heads * c.dv;
+    const size_t s_n = static_cast<size_t>(c.value_heads) * c.dk * c.dv;
+    std::vector<float> q = floats(qk_n), k = floats(qk_n), v = floats(v_n), s0 = floats(s_n);
+    std::vector<float> g(static_cast<size_t>(c.tokens) * c.value_heads), beta(g.size());
+    for (size_t i = 0; i < g.size(); ++i) g[i] = uniform(-3.f, 0.f), beta[i] = uniform(0.f, 1.f);
+    for (size_t row = 0; row < qk_n; row += c.dk) {  // unit keys, queries by 1/sqrt(dk), as the mixer's
+      double qq = 0, kk = 0;
+      for (int i = 0; i < c.dk; ++i) qq += q[row + i] * q[row + i], kk += k[row + i] * k[row + i];
+      for (int i = 0; i < c.dk; ++i) q[row + i] /= std::sqrt(qq * c.dk), k[row + i] /= std::sqrt(kk);
+    }
+    std::vector<double> S(s0.begin(), s0.end()), u(c.dv);
+    std::vector<float> want(v_n);
+    for (int t = 0; t < c.tokens; ++t)
+      for (int h = 0; h < c.value_heads; ++h) {
+        const size_t tv = static_cast<size_t>(t) * c.value_heads + h;
+        const float* qt = q.data() + (static_cast<size_t>(t) * c.key_heads + h / rep) * c.dk;
+        const float* kt = k.data() + (static_cast<size_t>(t) * c.key_heads + h / rep) * c.dk;
+        double* Sh = S.data() + static_cast<size_t>(h) * c.dk * c.dv;
+        for (int j = 0; j < c.dv; ++j) {
+          double kv = 0;
+          for (int i = 0; i < c.dk; ++i) kv += (Sh[i * c.dv + j] *= std::exp(static_cast<double>(g[tv]))) * kt[i];
+          u[j] = (v[tv * c.dv + j] - kv) * beta[tv];
+          double o = 0;
+          for (int i = 0; i < c.dk; ++i) o += (Sh[i * c.dv + j] += kt[i] * u[j]) * qt[i];
+          want[tv * c.dv + j] = static_cast<float>(o);
+        }
+      }
+    for (Isa isa : isas) {
+      std::vector<float> state = s0, got(v_n);
+      DeltaRuleTokens r;
+      r.tokens = c.tokens, r.key_heads = c.key_heads, r.value_heads = c.value_heads, r.key_dim = c.dk;
+      r.value_dim = c.dv, r.q = q.data(), r.k = k.data(), r.v = v.data();
+      r.v_token_stride = static_cast<int64_t>(c.value_heads) * c.dv;
+      r.g = g.data(), r.beta = beta.data(), r.out = got.data(), r.state = state.data();
+      gated_delta_rule(r, 2, isa);
+      const std::string shape = std::string(" ") + isa_name(isa) + " tokens " + std::to_string(c.tokens) +
+                                " heads " + std::to_string(c.key_heads) + "/" + std::to_string(c.value_heads) +
+                                " dk " + std::to_string(c.dk) + " dv " + std::to_string(c.dv);
+      compare(got, want, std::vector<float>(v_n, 1e-4f), "delta rule out" + shape);
+      std::vector<float> want_state(S.begin(), S.end());
+      compare(state, want_state, std::vector<float>(s_n, 1e-4f), "delta rule state" + shape);
+    }
+  }
+}
+
 // --- CRC-32 and the stream ---------------------------------------------------------------------------
 
 uint32_t crc32_bitwise(const uint8_t* p, size_t n) {
@@ -371,6 +430,7 @@ int main() {
   check_moe();
   check_linear();
   check_attention();
+  check_delta_rule();
   check_crc32();
   check_stream();
   std::printf("%d checks, %d failed\n", checks, failures);

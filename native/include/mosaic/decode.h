@@ -198,4 +198,18 @@ void rms_norm(const float* x, const float* w, int n, float eps, float* y);
 void delta_net_step(const DeltaNetMixer& m, const float* h, float* out, float* scratch, int threads, Isa isa);
 uint64_t delta_net_scratch_floats(const DeltaNetMixer& m);
 
+// The gated delta rule over a prompt's tokens (delta_rule.cpp), the prefill's form of the step above: for each
+// token t in order and value head j, which reads key head j / (value_heads / key_heads), head j's state takes
+// t's step and out[t, j] is its read. Agrees with models/delta_rule.py's two torch forms to float rounding.
+struct DeltaRuleTokens {
+  int tokens = 0, key_heads = 0, value_heads = 0, key_dim = 0, value_dim = 0;
+  const float *q = nullptr, *k = nullptr;  // [tokens, key_heads, key_dim]: L2-normed, q also by 1/sqrt(key_dim)
+  const float* v = nullptr;                // [tokens, value_heads, value_dim], tokens v_token_stride floats apart
+  int64_t v_token_stride = 0;
+  const float *g = nullptr, *beta = nullptr;  // [tokens, value_heads]: log-decays (<= 0) and write strengths
+  float* out = nullptr;                    // [tokens, value_heads, value_dim]
+  float* state = nullptr;                  // [value_heads, key_dim, value_dim], updated in place
+};
+void gated_delta_rule(const DeltaRuleTokens& r, int threads, Isa isa);
+
 }  // namespace mosaic
