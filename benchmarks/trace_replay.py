@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import shutil
 import sys
@@ -229,6 +230,8 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # said now, not after the runs
+        ap.error("--plot needs matplotlib: pip install -e '.[bench]'")
     model = build_vault(args.trace, args.work.resolve())
     vault_bytes = (model / "experts.vault").stat().st_size
     trace = load(args.trace, args.routing)
