@@ -30,10 +30,11 @@ def flush_subnormals() -> None:
     """Read and write floats below float32's normal range (1.2e-38) as zero on this thread and on the threads
     it starts from now on, torch's OpenMP workers among them (a thread inherits its creator's setting).
 
-    A DeltaNet layer's chunked rule takes exp() of log-decays summed over up to 64 tokens; with strong decays
-    (a Qwen3.5-geometry model's reach -91 in a chunk) they fall below that range, and x86 takes a microcode
-    assist for every multiply that reads or writes such a value: at 512 tokens the rule ran 73 ms a layer
-    where it runs 33 with them flushed on every thread (295 against 33 with stronger decays). Values that
+    A DeltaNet layer's delta rule multiplies its state by exp() of log-decays (in the torch chunked form,
+    summed over up to 64 tokens); with strong decays (a Qwen3.5-geometry model's reach -91 in a chunk) values
+    fall below that range, and x86 takes a microcode assist for every multiply that reads or writes such a
+    value: at 512 tokens the chunked rule ran 73 ms a layer where it ran 33 with them flushed on every thread
+    (295 against 33 with stronger decays). Values that
     small change no sum at float32's precision. Called when this module is imported, before torch's workers
     exist on the importing thread, and again by using_threads on any thread that runs a forward pass."""
     torch.set_flush_denormal(True)

@@ -1,4 +1,4 @@
-"""The hybrids' own paths: decode after a long (chunked) prefill, reduced KV caches, the two forms of the
+"""The hybrids' own paths: decode after a long (chunked) prefill, reduced KV caches, the three forms of the
 gated delta rule, a block-FP8 source. Their logits against transformers are tests/test_families.py's.
 
 Tolerance: max |logit difference| <= 1e-3 on logits of magnitude ~10 (measured: 5e-5 to 7e-4). Both
@@ -77,8 +77,8 @@ FLOAT_ISAS = [isa for isa in (K.SCALAR, K.AVX2, K.AVX512, K.NEON) if K.isa_avail
                                                (150, 2, 4, 128, 97)])
 def test_native_delta_rule_equals_the_recurrence(isa, t, hk, hv, dk, dv):
     """The native prefill form (key heads read in place, the state's columns in blocks of 32 with a ragged
-    last one, v a strided view) against the torch recurrence on the repeated heads; the thread count
-    changes no bit (each block of a head is one thread's)."""
+    last one, tokens in runs of 64, v a strided view) against the torch recurrence on the repeated heads;
+    the thread count changes no bit (each head is one thread's)."""
     g = torch.Generator().manual_seed(t + dv)
     q = torch.nn.functional.normalize(torch.randn(t, hk, dk, generator=g), dim=-1) * dk ** -0.5
     k = torch.nn.functional.normalize(torch.randn(t, hk, dk, generator=g), dim=-1)
