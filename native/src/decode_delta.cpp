@@ -14,30 +14,25 @@
 namespace mosaic {
 namespace {
 
-// The delta rule on one value head's whole state S [dk, dv] (delta_rule.h).
-__attribute__((always_inline)) inline void delta_head(float* S, const float* q, const float* k, const float* v,
-                                                       float decay, float beta, int dk, int dv, float* u, float* o) {
-  delta_columns(S, dv, q, k, v, decay, beta, dk, dv, u, o);
-}
-
+// The delta rule on one value head's whole state S [dk, dv] (delta_rule.h), compiled for each vector width
+// and chosen at run time.
 #if defined(MOSAIC_X86)
-// The same loops compiled for the wider vectors, chosen at run time.
 __attribute__((target("avx512f,avx512vl,avx2,fma"))) void delta_head_avx512(float* S, const float* q, const float* k,
                                                                              const float* v, float decay, float beta,
                                                                              int dk, int dv, float* u, float* o) {
-  delta_head(S, q, k, v, decay, beta, dk, dv, u, o);
+  delta_columns(S, dv, q, k, v, decay, beta, dk, dv, u, o);
 }
 
 __attribute__((target("avx2,fma"))) void delta_head_avx2(float* S, const float* q, const float* k, const float* v,
                                                          float decay, float beta, int dk, int dv, float* u, float* o) {
-  delta_head(S, q, k, v, decay, beta, dk, dv, u, o);
+  delta_columns(S, dv, q, k, v, decay, beta, dk, dv, u, o);
 }
 #endif
 
 // The base ISA's vectors: SSE2 on x86-64, NEON on AArch64.
 void delta_head_scalar(float* S, const float* q, const float* k, const float* v, float decay, float beta, int dk,
                        int dv, float* u, float* o) {
-  delta_head(S, q, k, v, decay, beta, dk, dv, u, o);
+  delta_columns(S, dv, q, k, v, decay, beta, dk, dv, u, o);
 }
 
 // x * rsqrt(sum x^2 + 1e-6), as models/decoder.l2norm.
