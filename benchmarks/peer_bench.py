@@ -2,7 +2,7 @@
 cache is dropped, the engines interleaved (A B A B ...) because this VM's bandwidth drifts (FACTS.md §3).
 
     pip install -e '.[peer]'        # llama-cpp-python: builds llama.cpp from source (~25 min on 2 cores)
-    python benchmarks/peer_bench.py [--cases a,b,c,q35,glm] [--rounds 2] [--prompt 128] [--tokens 32]
+    python benchmarks/peer_bench.py [--cases a,b,c,q35,glm] [--rounds 2] [--prompt 128] [--tokens 32] [--engines NAMES]
 
 Cases (the random-weight models have a real model's per-layer geometry and 8 layers, benchmarks/geometries.py):
   (a) Qwen3-30B-A3B's geometry, in RAM;
@@ -60,6 +60,9 @@ MOSAIC_CONFIGS = {  # name -> Engine.open settings
     "mosaic default": dict(),
     "mosaic exact": dict(precision="exact"),
     "mosaic q4 backbone": dict(backbone="q4"),
+}
+MOSAIC_NAMED_ONLY = {  # run only when --engines names them
+    "mosaic bf16 kv": dict(kv_dtype="bfloat16"),  # a long prompt attended in bf16
 }
 GEOMETRY_CASES = {"a": "qwen3-30b-a3b", "b": "qwen3-30b-a3b", "q35": "qwen3.5-35b-a3b", "glm": "glm-4.5-air",
                   "ds3": "deepseek-v3", "oss": "gpt-oss-20b"}
@@ -272,6 +275,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--engines", help="comma-separated configurations to run, as the table names them (default: "
+                    "all), e.g. 'mosaic default,llama.cpp Q4_0'")
     ap.add_argument("--llama-src", help="llama.cpp source tree (default: the installed llama-cpp-python's sdist)")
     ap.add_argument("--worker", nargs=2, metavar=("ENGINE", "JSON"), help=argparse.SUPPRESS)
     ap.add_argument("--convert", nargs=3, help=argparse.SUPPRESS)
@@ -283,6 +288,10 @@ def main() -> None:
         print(json.dumps((mosaic_worker if kind == "mosaic" else llama_worker)(**spec)))
         return
 
+    wanted = None if args.engines is None else {name.strip() for name in args.engines.split(",")}
+    known = {*MOSAIC_CONFIGS, *MOSAIC_NAMED_ONLY, *LLAMA_CONFIGS, *LLAMA_MXFP4_CONFIGS}
+    if wanted is not None and wanted - known:
+        ap.error(f"--engines: unknown {', '.join(sorted(wanted - known))}; known: {', '.join(sorted(known))}")
     src = llama_source(args.llama_src)
     models = {}
     for case in args.cases.split(","):
@@ -315,7 +324,10 @@ def main() -> None:
             llama_configs = {name: False for name, repack in llama_configs.items() if not repack}
         for _ in range(args.rounds):
             bws.append(bandwidth(args.threads))
-            for name, settings in list(MOSAIC_CONFIGS.items()) + list(llama_configs.items()):
+            named_only = [(n, c) for n, c in MOSAIC_NAMED_ONLY.items() if wanted is not None and n in wanted]
+            for name, settings in list(MOSAIC_CONFIGS.items()) + named_only + list(llama_configs.items()):
+                if wanted is not None and name not in wanted:
+                    continue
                 base = dict(prompt=prompt, decode=decode, threads=args.threads)
                 if name.startswith("mosaic"):
                     spec = dict(base, model=str(vault), ram_budget=limit - ENGINE_BYTES if limit else None, **settings)
@@ -332,7 +344,7 @@ def main() -> None:
                     failures.setdefault(name, []).append(str(e).split(":")[0])
         bw = statistics.median(bws)
         token_bytes = {name: r[0].get("token_bytes") for name, r in runs.items() if r}
-        token_bytes.update({name: gguf_token_bytes(gguf, src) for name in llama_configs})
+        token_bytes.update({name: gguf_token_bytes(gguf, src) for name in llama_configs if name in runs})
         peer_name = next((name for name in llama_configs if runs.get(name)), None)
         peer = statistics.median(r["decode_tok_s"] for r in runs[peer_name]) if peer_name else float("nan")
         for name, why in failures.items():
@@ -343,13 +355,14 @@ def main() -> None:
             med = lambda key: statistics.median(r[key] for r in rs)  # noqa: E731
             tb = token_bytes[name]
             roof = med("decode_tok_s") * tb / (bw * 1e9)
+            ratio = f"{med('decode_tok_s') / peer:.2f}x" if peer_name else "-"
             print(f"| ({case}) | {name} | {med('cold_ttft_s'):.2f} | {med('prefill_tok_s'):.1f} | "
                   f"{med('decode_tok_s'):.1f} ({min(r['decode_tok_s'] for r in rs):.1f}-"
-                  f"{max(r['decode_tok_s'] for r in rs):.1f}) | {med('decode_tok_s') / peer:.2f}x | "
+                  f"{max(r['decode_tok_s'] for r in rs):.1f}) | {ratio} | "
                   f"{tb / 1e6:.0f} | {1 / roof:.2f} | {med('kv_bytes_per_token') / 1e3:.1f} | {ring_column(rs)} |",
                   flush=True)
         print(f"(case {case}) same-run streaming bandwidth: {', '.join(f'{b:.1f}' for b in bws)} GB/s; decode "
-              f"ratios against {peer_name or 'nothing (every llama.cpp configuration failed)'}")
+              f"ratios against {peer_name or ('nothing (every llama.cpp configuration failed)' if failures else 'nothing')}")
 
 
 def ring_column(runs: list[dict]) -> str:

@@ -199,8 +199,9 @@ class Engine:
                 the KV cache and a margin (tier/cost.py::device_expert_budget).
             tier_policy: "decayed-frequency" (default) or "hit-threshold" (the seed's 3-hit rule).
             kv_dtype: "float32" (default, exact), "bfloat16" (keys and values rounded to bf16 as they are
-                cached: half the KV memory) or "int8" (a code per value and a float32 scale per position and
-                KV head: about a quarter). For long contexts; logits move by the rounding.
+                cached: half the KV memory, and a prompt attended in bf16, about twice as fast at 16k
+                tokens) or "int8" (a code per value and a float32 scale per position and KV head: about a
+                quarter). For long contexts; logits move by the rounding.
             preload: when the ring can hold every record, read them all in the background from the start
                 (one at a time, while no layer is reading), so a model that fits in RAM soon runs with no reads.
                 It changes no result, only when records arrive.

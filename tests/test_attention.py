@@ -1,5 +1,6 @@
 """The native decode-attention kernel against the torch reference (torch_attention) on odd shapes, both
-cache dtypes, the paged cache's strided views, and any thread count; and the bf16 KV cache end to end."""
+cache dtypes, the paged cache's strided views, and any thread count; a prompt chunk's split attention
+(prefill_attention) against the same reference; and the bf16 KV cache end to end."""
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ from builders import random_qwen3_moe
 from mosaic_runtime import _native
 from mosaic_runtime.engine import Engine
 from mosaic_runtime.kv_cache import Int8Rows, KVCache, quantize_rows
-from mosaic_runtime.models.base import cached_attention, torch_attention
+from mosaic_runtime.models.base import cached_attention, prefill_attention, torch_attention
 from mosaic_shatter.convert import convert
 
 K = _native.kernels
@@ -90,6 +91,30 @@ def test_int8_kernel_matches_torch_on_the_dequantized_cache(hq, hkv, d, length):
             torch.testing.assert_close(torch.from_numpy(out).view(1, -1), ref, **int8_tolerance(ref, isa, d))
             outs.append(out)
         assert all(np.array_equal(outs[0], o) for o in outs)
+
+
+# (query heads, KV heads, head_dim, chunk tokens, positions before the chunk)
+PREFILL_SHAPES = [(4, 2, 40, 2, 0), (4, 2, 40, 7, 5), (6, 3, 80, 33, 0), (6, 3, 80, 33, 100), (8, 1, 64, 17, 300),
+                  (32, 4, 128, 64, 1000), (3, 3, 96, 5, 1)]
+
+
+@pytest.mark.parametrize("hq, hkv, d, t, start", PREFILL_SHAPES)
+def test_prefill_attention_matches_torch(hq, hkv, d, t, start):
+    """The chunk's keys under the causal mask and the earlier ones unmasked, merged by log-sum-exp: the
+    masked reference's output to float32 rounding over a float32 cache; over a bf16 cache, attended in
+    bf16, within bf16's rounding of the queries (the keys and values are the cache's either way)."""
+    g = torch.Generator().manual_seed(hq * 1000 + t + start)
+    q = torch.randn(t, hq, d, generator=g)
+    k, v = (torch.randn(hkv, start + t + 9, d, generator=g) for _ in range(2))  # the cache runs past the chunk
+    ref = torch_attention(q, k, v, start, d ** -0.5)
+    torch.testing.assert_close(prefill_attention(q, k, v, start, d ** -0.5), ref, atol=2e-6, rtol=1e-5)
+    assert torch.equal(cached_attention(q, k, v, start, d ** -0.5), prefill_attention(q, k, v, start, d ** -0.5))
+    kb, vb = k.bfloat16(), v.bfloat16()
+    ref_bf16 = torch_attention(q, kb, vb, start, d ** -0.5)
+    out = prefill_attention(q, kb, vb, start, d ** -0.5)
+    assert out.dtype == torch.float32 and out.shape == (t, hq * d)
+    torch.testing.assert_close(out, ref_bf16, atol=2e-2, rtol=0)
+    assert (out - ref_bf16).norm() < 1e-2 * ref_bf16.norm()
 
 
 def test_int8_rows_round_trip():

@@ -109,9 +109,11 @@ def test_native_decode_equals_the_torch_path(vaults, case):
                 logits.append(engine.model.forward(torch.tensor([int(logits[-1].argmax())]),
                                                    engine.model.state.length)[-1])
             runs[(kv_dtype, native)] = torch.stack(logits)
-    # float32: the same arithmetic in another order; int8: the native step's integer attention rounds the
-    # queries and probabilities to 16 bits under VNNI, and a row landing on another code flips a step
-    for kv_dtype, atol in (("float32", 1e-4), ("int8", 2e-3)):
+    # float32: the same arithmetic in another order (up to 1.3e-4 on the Qwen3.5 case where torch's MKL
+    # takes its AVX-512 paths, as on a Sapphire Rapids; 1.4e-5 with it held to AVX2); int8: the native
+    # step's integer attention rounds the queries and probabilities to 16 bits under VNNI, and a row landing
+    # on another code flips a step
+    for kv_dtype, atol in (("float32", 3e-4), ("int8", 2e-3)):
         native, reference = runs[(kv_dtype, True)], runs[(kv_dtype, False)]
         assert torch.equal(native.argmax(-1), reference.argmax(-1))
         torch.testing.assert_close(native, reference, atol=atol, rtol=0)
