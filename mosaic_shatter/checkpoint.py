@@ -207,8 +207,8 @@ class Checkpoint:
         nbytes = itemsize
         for s in shape:
             nbytes *= s
-        buf = bytearray(nbytes)
-        view, done = memoryview(buf), 0
+        buf = torch.empty(nbytes, dtype=torch.uint8)  # not zero-filled: every byte is read into it
+        view, done = memoryview(buf.numpy()), 0
         fd = os.open(info.file, os.O_RDONLY)
         try:
             while done < nbytes:  # one preadv moves at most ~2 GiB
@@ -218,6 +218,4 @@ class Checkpoint:
                 done += got
         finally:
             os.close(fd)
-        if nbytes == 0:
-            return torch.empty(shape, dtype=TORCH_DTYPES[info.dtype])
-        return torch.frombuffer(buf, dtype=TORCH_DTYPES[info.dtype]).reshape(shape)
+        return buf.view(TORCH_DTYPES[info.dtype]).reshape(shape)

@@ -16,11 +16,9 @@ from mosaic_runtime.vault.format import LOW_BIT_NAMES, QUANT_NAMES, VaultError
 
 from .architectures import OPTIONAL_PARTS, UnsupportedModel
 from .checkpoint import DTYPE_BYTES, Checkpoint, CheckpointError
-from .convert import ConvertError, ConvertInterrupted, convert, needed_disk_bytes
+from .convert import ConvertError, ConvertInterrupted, convert, default_workers, needed_disk_bytes
 from .plan import INT4_DTYPE, MXFP4_DTYPE, Plan, make_plan
 from .precision import HOT_MASS, MixedPrecision, PrecisionError
-
-WORKERS = 2
 
 
 def _fail(message: str, code: int = 2):
@@ -67,7 +65,7 @@ def probe_report(ckpt: Checkpoint, plan: Plan) -> dict:
         "kv_bytes_per_1k_tokens": kv_bytes_per_1k_tokens(arch),
         "kv_window_bytes": kv_window_bytes(arch),
         "fp8_passthrough": plan.fp8_passthrough(),
-        "peak_ram_bytes": plan.peak_ram_bytes(WORKERS),
+        "peak_ram_bytes": plan.peak_ram_bytes(default_workers(plan)),
         "disk_bytes": {name: needed_disk_bytes(ckpt, plan, q) for name, q in QUANT_NAMES.items()},
         "layer_types": arch.get("layer_types"),
         "left_out": left_out(plan),
@@ -212,7 +210,8 @@ def probe(source, revision, as_json, keep):
 @click.option("--quant", required=True, type=click.Choice(sorted(QUANT_NAMES)), help="Expert quantisation.")
 @click.option("--revision", help="Revision, when SOURCE is a repo id in the Hub cache.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists (only once the new one is complete).")
-@click.option("--workers", default=WORKERS, show_default=True, help="Expert encoding threads.")
+@click.option("--workers", type=click.IntRange(min=1),
+              help="Expert encoding threads (default: one a core, as many as half the free memory holds).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @_KEEP
 @click.option("--routing", type=click.Path(),

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from mosaic_runtime.limits import memory_limit
 from mosaic_runtime.vault.format import (BACKBONE_FILE, FP8_BLOCK, MXFP4_BLOCK, Q4_BLOCK, QUANT_NAMES, VAULT_FILE,
                                          QuantType, encode_meta, plan_header)
 
@@ -129,11 +130,19 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def default_workers(plan: Plan) -> int:
+    """Encoding threads when none are asked for: one a core this process may run on, as many as half the
+    memory it may still take holds (the other half is the page cache that carries the source's reads)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return plan.workers_for(memory_limit().available // 2, cores)
+
+
 def convert(source: str, out: str | os.PathLike, quant: str, *, revision: str | None = None,
-            workers: int = 2, force: bool = False, progress: bool = True, keep: frozenset[str] = frozenset(),
+            workers: int | None = None, force: bool = False, progress: bool = True, keep: frozenset[str] = frozenset(),
             mixed: MixedPrecision | None = None) -> ConvertResult:
     """Convert `source` (checkpoint directory or cached repo id) into the model directory `out`.
 
+    workers: expert encoding threads (default: default_workers).
     keep: optional parts ("mtp", "vision") to keep in the backbone; text-only by default.
     mixed: experts at their own precision (a Q4 vault only): the cold tail of the routing low-bit.
 
@@ -147,6 +156,8 @@ def convert(source: str, out: str | os.PathLike, quant: str, *, revision: str | 
     plan = make_plan(ckpt, keep)
     if plan.problems:
         raise ConvertError("cannot convert:\n  " + "\n  ".join(plan.problems))
+    if workers is None:
+        workers = default_workers(plan)
     record_quants = per_record = None
     if mixed is not None:
         if qtype is not QuantType.Q4_G32 or plan.expert_bias:

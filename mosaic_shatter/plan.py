@@ -114,6 +114,14 @@ class Plan:
     def backbone_bytes(self) -> int:
         return sum(t.nbytes for t in self.backbone)
 
+    def workers_for(self, memory: int, cores: int) -> int:
+        """Encoding threads for a convert: one a core, no more than peak_ram_bytes fits in `memory` (at
+        least one: the smallest convert is what it is)."""
+        workers = max(1, cores)
+        while workers > 1 and self.peak_ram_bytes(workers) > memory:
+            workers -= 1
+        return workers
+
     def peak_ram_bytes(self, workers: int) -> int:
         """Bound on convert's resident memory; it does not grow with the number of layers or experts.
 

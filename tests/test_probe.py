@@ -1,6 +1,7 @@
 """probe on real-scale skeleton checkpoints (real headers, sparse data) and the CLI's refusals."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ from builders import CONFIGS, skeleton
 from mosaic_shatter.architectures import ARCHITECTURES
 from mosaic_shatter.checkpoint import Checkpoint
 from mosaic_shatter.cli import probe_report
+from mosaic_shatter.convert import default_workers
 from mosaic_shatter.plan import make_plan
 
 GiB = 2**30
@@ -45,7 +47,8 @@ def test_probe_agrees_with_the_published_sizes(skeletons, name, monkeypatch):
     monkeypatch.setattr(Checkpoint, "read", no_weights)
     ckpt = Checkpoint(str(skeletons[name]))
     assert len(ckpt.tensors) == want["tensors"]
-    report = probe_report(ckpt, make_plan(ckpt))
+    plan = make_plan(ckpt)
+    report = probe_report(ckpt, plan)
     assert report["problems"] == []
     assert report["num_layers"] == want["layers"] and report["moe_layers"] == want["layers"]
     assert (report["num_experts"], report["top_k"]) == (128, 8)
@@ -53,7 +56,18 @@ def test_probe_agrees_with_the_published_sizes(skeletons, name, monkeypatch):
     records = report["num_records"] * report["record_bytes"]["q4"]
     assert records == want["q4_records"]
     assert 0 < report["vault_bytes"]["q4"] - records < 1 << 20
-    assert report["peak_ram_bytes"] < 2 * GiB  # bounded, whatever the model size
+    assert report["peak_ram_bytes"] == plan.peak_ram_bytes(default_workers(plan))  # the convert's own workers
+    assert plan.peak_ram_bytes(2) < 2 * GiB  # bounded, whatever the model size
+
+
+def test_convert_workers_fit_the_memory(skeletons):
+    """One encoding thread a core, fewer when their experts in flight would not fit (never none)."""
+    plan = make_plan(Checkpoint(str(skeletons["qwen3-235b-a22b"])))
+    assert plan.workers_for(1 << 50, 16) == 16
+    assert plan.workers_for(plan.peak_ram_bytes(5), 16) == 5
+    assert plan.workers_for(plan.peak_ram_bytes(5) - 1, 16) == 4
+    assert plan.workers_for(0, 16) == 1 and plan.workers_for(1 << 50, 0) == 1
+    assert 1 <= default_workers(plan) <= len(os.sched_getaffinity(0))
 
 
 def test_fp8_checkpoint_is_detected_for_pass_through(skeletons):

@@ -17,6 +17,7 @@ def pack_record(layout: RecordLayout, planes: Planes, biases: Biases | None = No
     if layout.bias != (biases is not None):
         raise ValueError("expert biases given for a layout without bias planes, or missing for one with them")
     out = bytearray(layout.record_bytes)
+    planes_out = memoryview(out)
     scale_dtype = SCALE_TORCH_DTYPES[layout.scale_dtype]
     for proj in PROJECTIONS:
         codes, scales = planes[proj]
@@ -28,8 +29,7 @@ def pack_record(layout: RecordLayout, planes: Planes, biases: Biases | None = No
             if tensor.dtype != dtype or tuple(tensor.shape) != plane.shape:
                 raise ValueError(f"{proj} {kind}: got {tensor.dtype} {tuple(tensor.shape)}, "
                                  f"layout wants {dtype} {plane.shape}")
-            raw = tensor.contiguous().view(torch.uint8).numpy().tobytes()
-            out[plane.offset:plane.offset + plane.nbytes] = raw
+            planes_out[plane.offset:plane.offset + plane.nbytes] = tensor.contiguous().view(torch.uint8).numpy().reshape(-1)
     return out
 
 
