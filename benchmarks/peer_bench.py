@@ -2,7 +2,8 @@
 cache is dropped, the engines interleaved (A B A B ...) because this VM's bandwidth drifts (FACTS.md §3).
 
     pip install -e '.[peer]'        # llama-cpp-python: builds llama.cpp from source (~25 min on 2 cores)
-    python benchmarks/peer_bench.py [--cases a,b,c,q35,glm] [--rounds 2] [--prompt 128] [--tokens 32] [--engines NAMES]
+    python benchmarks/peer_bench.py [--cases a,b,c,q35,glm] [--rounds 2] [--prompt 128] [--tokens 32]
+                                    [--engines NAMES]
 
 Cases (the random-weight models have a real model's per-layer geometry and 8 layers, benchmarks/geometries.py):
   (a) Qwen3-30B-A3B's geometry, in RAM;
@@ -361,8 +362,9 @@ def main() -> None:
                   f"{max(r['decode_tok_s'] for r in rs):.1f}) | {ratio} | "
                   f"{tb / 1e6:.0f} | {1 / roof:.2f} | {med('kv_bytes_per_token') / 1e3:.1f} | {ring_column(rs)} |",
                   flush=True)
+        against = peer_name or ("nothing (every llama.cpp configuration failed)" if failures else "nothing")
         print(f"(case {case}) same-run streaming bandwidth: {', '.join(f'{b:.1f}' for b in bws)} GB/s; decode "
-              f"ratios against {peer_name or ('nothing (every llama.cpp configuration failed)' if failures else 'nothing')}")
+              f"ratios against {against}")
 
 
 def ring_column(runs: list[dict]) -> str:

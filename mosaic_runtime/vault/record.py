@@ -29,7 +29,8 @@ def pack_record(layout: RecordLayout, planes: Planes, biases: Biases | None = No
             if tensor.dtype != dtype or tuple(tensor.shape) != plane.shape:
                 raise ValueError(f"{proj} {kind}: got {tensor.dtype} {tuple(tensor.shape)}, "
                                  f"layout wants {dtype} {plane.shape}")
-            planes_out[plane.offset:plane.offset + plane.nbytes] = tensor.contiguous().view(torch.uint8).numpy().reshape(-1)
+            raw = tensor.contiguous().view(torch.uint8).numpy().reshape(-1)
+            planes_out[plane.offset:plane.offset + plane.nbytes] = raw
     return out
 
 
