@@ -131,10 +131,10 @@ def _fsync_dir(path: Path) -> None:
 
 
 def default_workers(plan: Plan) -> int:
-    """Encoding threads when none are asked for: one a core this process may run on, as many as half the
-    memory it may still take holds (the other half is the page cache that carries the source's reads)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return plan.workers_for(memory_limit().available // 2, cores)
+    """Encoding threads when none are asked for: one a core (os.cpu_count, as the engine counts its
+    threads), as many as half the memory the process may still take holds (the other half is the page
+    cache that carries the source's reads)."""
+    return plan.workers_for(memory_limit().available // 2, os.cpu_count() or 1)
 
 
 def convert(source: str, out: str | os.PathLike, quant: str, *, revision: str | None = None,
