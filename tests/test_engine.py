@@ -387,6 +387,7 @@ def test_read_ahead_changes_no_bit_and_is_used(model_dir):
         assert list(engine.generate_ids(prompt, max_new_tokens=24)) == want
     store = engine.store
     assert store.io.ahead_reads > 0 and store.io.ahead_used > 0
+    assert store.io.preload_bytes == 0  # background reads all the same, but the layers' reads, not preload's
     store._reap_ahead()
     held = {key: slot for key, slot in store.policy.where.items() if slot not in store._reading}
     table = {(int(l), int(e)): int(store.slot_table[l, e]) for l, e in zip(*(store.slot_table >= 0).nonzero())}
@@ -425,15 +426,19 @@ def test_reads_ahead_still_in_flight_do_not_starve_a_layer(model_dir, monkeypatc
     assert not store._pinned and not store._reading
 
 
-def test_a_record_read_ahead_counts_as_used_when_the_native_loop_runs_it(model_dir):
-    """The native layer loop runs resident records without acquire: one read ahead is used all the same."""
+def test_a_record_read_ahead_counts_as_used_when_the_native_loop_runs_it(model_dir, monkeypatch):
+    """The native layer loop runs resident records without acquire: one read ahead is used all the same.
+    Reads ahead go in the ring's background queue, behind the layer's own reads."""
     engine = Engine.open(model_dir, ram_budget=4 * record_bytes(model_dir), max_seq=64, preload=False,
                          watch_memory=False)
     store = engine.store
     store.begin_step(5)
     store.routed(0, [0, 1])
     held = store.acquire(0, [0, 1])
+    submit, queued = store.ring.submit, []
+    monkeypatch.setattr(store.ring, "submit", lambda *a, **k: (queued.append(a[4]), submit(*a, **k))[1])
     assert store.read_ahead(0, held) == 2
+    assert queued == [True, True]
     store.release(held)
     ahead = sorted(e for (layer, e), slot in store.policy.where.items() if layer == 1)
     for slot in list(store._reading):

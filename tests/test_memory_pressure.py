@@ -70,9 +70,9 @@ def test_preload_stops_when_memory_runs_short(model, reference):
         valve.probe = Memory(0)
         submit, started = store._submit, []
 
-        def submit_then_run_short(slot, key, background=False):  # memory runs out at preload's 8th read
-            submit(slot, key, background)
-            if background:
+        def submit_then_run_short(slot, key, background=False, preload=False):  # short at preload's 8th read
+            submit(slot, key, background, preload)
+            if preload:
                 started.append(key)
                 if len(started) == 8:
                     valve.check(force=True)

@@ -7,8 +7,8 @@ native kernel then runs each expert the moment its record has arrived (and passe
 
 When the ring can hold every record, `preload` reads them all in the background (one at a time, only
 while no layer's read is queued or in progress), so a model that fits in RAM soon runs with no reads at
-all, as a memory-mapped engine does once its pages are in. When it cannot, `read_ahead` starts reading
-the next layer's likely experts (the policy's guess) while the current layer computes.
+all, as a memory-mapped engine does once its pages are in. When it cannot, `read_ahead` reads the next
+layer's likely experts (the policy's guess) in the background while the current layer computes.
 """
 
 from __future__ import annotations
@@ -162,7 +162,10 @@ class ExpertStore:
 
     def read_ahead(self, layer: int, running: list[int]) -> int:
         """While `layer` computes on the slots `running`, start reading the records the policy expects the
-        next MoE layer to ask for (only when the ring cannot hold the whole vault); how many were started."""
+        next MoE layer to ask for (only when the ring cannot hold the whole vault); how many were started.
+        They are background reads: they start once the layer's own reads have landed, so they do not slow
+        those, and keep the disk busy while the layer's last experts and the next layer's attention run
+        (a layer that asks for one still queued moves it ahead)."""
         nxt = self._next_layer.get(layer)
         if nxt is None or len(self.vault.entries) <= self.policy.usable:
             return 0
@@ -170,7 +173,7 @@ class ExpertStore:
         planned = self.policy.plan_ahead(nxt, self._pinned | self._reading.keys() | set(running))
         for slot, key in ((s, k) for k, s in planned):
             self._took(slot, key)
-            self._submit(slot, key)
+            self._submit(slot, key, background=True)
             self._ahead.add(slot)
         self.io.ahead_reads += len(planned)
         return len(planned)
@@ -192,11 +195,13 @@ class ExpertStore:
             self.finish([slot])
             self.ring.set_state(slot, SlotState.READY)  # a demand read lands IN_USE; nothing has pinned it
 
-    def _submit(self, slot: int, key: tuple[int, int], background: bool = False) -> None:
+    def _submit(self, slot: int, key: tuple[int, int], background: bool = False, preload: bool = False) -> None:
+        """Start reading `key` into `slot`: a demand read, or a background one (it waits for the layers'
+        own reads). `preload`: preload's read (its bytes are counted apart)."""
         entry = self.vault.entry(*key)
         widen = entry.quant if entry.quant in LOW_BIT_TYPES else 0  # 0: read as stored
         self.ring.submit(slot, entry.offset, entry.length, entry.crc32, background, widen)
-        self._reading[slot] = (key, background)
+        self._reading[slot] = (key, preload)
         self.io.reads += 1
 
     def preload(self) -> int:
@@ -213,7 +218,7 @@ class ExpertStore:
             if key in self.policy.where:
                 continue
             slot = self._place(key)  # a free slot: the ring holds them all
-            self._submit(slot, key, background=True)
+            self._submit(slot, key, background=True, preload=True)
             self._preloading.append(slot)
             started += 1
         return started
@@ -274,10 +279,10 @@ class ExpertStore:
     def finish_preload(self) -> None:
         """Block until preload has read every record: what it has not started goes ahead as demand reads
         (every I/O thread), then all are waited for. Failures stay for the layers to report."""
-        background = [slot for slot, (_, bg) in self._reading.items() if bg]
-        for slot in background:
+        preloading = [slot for slot, (_, preload) in self._reading.items() if preload]
+        for slot in preloading:
             self.ring.expedite(slot)
-        for slot in background:
+        for slot in preloading:
             # an expedited read lands IN_USE (a demand read's state); unpinned, it is READY
             if self.ring.wait(slot) == SlotState.IN_USE and slot not in self._pinned:
                 self.ring.set_state(slot, SlotState.READY)
@@ -297,7 +302,7 @@ class ExpertStore:
         self.ring.announce_fallback()
         error = None
         for slot in slots:
-            key, background = self._reading.pop(slot, (None, False))
+            key, preload = self._reading.pop(slot, (None, False))
             if key is None:
                 continue
             if self.ring.state(slot) == SlotState.FAILED:
@@ -309,7 +314,7 @@ class ExpertStore:
                 continue
             self.slot_table[key] = slot
             stored = self.vault.entry(*key).length  # what was read: a low-bit record's own size
-            if background:
+            if preload:
                 self.io.preload_bytes += stored
             else:
                 self.io.bytes_read += stored
