@@ -22,13 +22,12 @@ else on the decode path changes, read-ahead and the ring policy included.
 Printed per run (one JSON line): tok_per_s, hit_rate, bytes_read_per_token, disk_busy_share (the share of
 the run during which at least one read was in progress) and busy_gbps (the bytes over that time: the
 disk's own rate while the engine kept it busy), disk_gbps (the median of --probes short reads made
-during the run, the decode paused: about PROBE_BYTES of random records of the same vault through the
-engine's own ring with its queue kept full, no compute; the disk's speed drifts within minutes, so the
-probes meet the disk the engine met; disk_probes_gbps: every record read once the same way right before and
-right after the run), io_floor_tok_per_s (disk_gbps over the bytes read per token: what the reads alone
-allow), read-ahead counts, the Belady hit-rate bound for
-the same ring over the same tokens, and a hash of every logit (the same at every budget: memory buys
-speed, never quality).
+during the run, the decode paused: about PROBE_BYTES of random records of the same vault through a ring
+like the engine's with its queue kept full, no compute; the disk's speed drifts within minutes, so the
+probes meet the disk the engine met), disk_probes_gbps (every record read once the same way right before
+and right after the run), io_floor_tok_per_s (disk_gbps over the bytes read per token: what the reads
+alone allow), read-ahead counts, the Belady hit-rate bound for the same ring over the same tokens, and a
+hash of every logit (the same at every budget: memory buys speed, never quality).
 The traces are read from ../shared/routing, never copied here.
 """
 
