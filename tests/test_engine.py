@@ -436,7 +436,12 @@ def test_a_record_read_ahead_counts_as_used_when_the_native_loop_runs_it(model_d
     store.routed(0, [0, 1])
     held = store.acquire(0, [0, 1])
     submit, queued = store.ring.submit, []
-    monkeypatch.setattr(store.ring, "submit", lambda *a, **k: (queued.append(a[4]), submit(*a, **k))[1])
+
+    def submit_noting_the_queue(slot, offset, length, crc32, background=False, widen=0):
+        queued.append(background)
+        submit(slot, offset, length, crc32, background, widen)
+
+    monkeypatch.setattr(store.ring, "submit", submit_noting_the_queue)
     assert store.read_ahead(0, held) == 2
     assert queued == [True, True]
     store.release(held)

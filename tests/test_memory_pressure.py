@@ -70,7 +70,8 @@ def test_preload_stops_when_memory_runs_short(model, reference):
         valve.probe = Memory(0)
         submit, started = store._submit, []
 
-        def submit_then_run_short(slot, key, background=False, preload=False):  # short at preload's 8th read
+        # memory runs out at preload's 8th read
+        def submit_then_run_short(slot, key, background=False, preload=False):
             submit(slot, key, background, preload)
             if preload:
                 started.append(key)
