@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -91,15 +93,21 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     dt = torch.bfloat16 if k_cache.dtype == torch.bfloat16 else torch.float32
     qh = q.to(dt).reshape(t, hkv, rep, d).permute(1, 2, 0, 3).reshape(1, hkv, rep * t, d)  # rows: (r, t)
     k, v = k_cache[None, :, :start + t].to(dt), v_cache[None, :, :start + t].to(dt)
-    causal = torch.ones(t, t, dtype=torch.bool).tril()
-    mask = torch.zeros(t, t, dtype=dt).masked_fill_(~causal, float("-inf")).repeat(rep, 1)  # the kernel adds it
-    out, lse = _FLASH(qh, k[:, :, start:], v[:, :, start:], attn_mask=mask, scale=scale)
+    out, lse = _FLASH(qh, k[:, :, start:], v[:, :, start:], attn_mask=_causal_mask(t, rep, dt), scale=scale)
     if start > 0:
         before, lse_before = _FLASH(qh, k[:, :, :start], v[:, :, :start], scale=scale)
         top = torch.maximum(lse, lse_before)
         w, w_before = torch.exp(lse - top)[..., None], torch.exp(lse_before - top)[..., None]
         out = (out.float() * w + before.float() * w_before) / (w + w_before)
     return out[0].float().reshape(hkv, rep, t, d).permute(2, 0, 1, 3).reshape(t, hq * d)
+
+
+@functools.lru_cache(maxsize=4)
+def _causal_mask(t: int, rep: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive causal mask of a chunk's own positions for prefill_attention's rows (r, t): [rep * t, t].
+    Built once per chunk shape, not per layer (the kernel only reads it)."""
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    return torch.zeros(t, t, dtype=dtype).masked_fill_(~causal, float("-inf")).repeat(rep, 1)
 
 
 def _rows_contiguous(k: torch.Tensor, v: torch.Tensor) -> bool:
