@@ -293,6 +293,10 @@ def main() -> None:
     known = {*MOSAIC_CONFIGS, *MOSAIC_NAMED_ONLY, *LLAMA_CONFIGS, *LLAMA_MXFP4_CONFIGS}
     if wanted is not None and wanted - known:
         ap.error(f"--engines: unknown {', '.join(sorted(wanted - known))}; known: {', '.join(sorted(known))}")
+
+    def chosen(name: str) -> bool:  # named by --engines; with none named, every configuration not named-only
+        return (name in wanted) if wanted is not None else (name not in MOSAIC_NAMED_ONLY)
+
     src = llama_source(args.llama_src)
     models = {}
     for case in args.cases.split(","):
@@ -325,9 +329,8 @@ def main() -> None:
             llama_configs = {name: False for name, repack in llama_configs.items() if not repack}
         for _ in range(args.rounds):
             bws.append(bandwidth(args.threads))
-            named_only = [(n, c) for n, c in MOSAIC_NAMED_ONLY.items() if wanted is not None and n in wanted]
-            for name, settings in list(MOSAIC_CONFIGS.items()) + named_only + list(llama_configs.items()):
-                if wanted is not None and name not in wanted:
+            for name, settings in {**MOSAIC_CONFIGS, **MOSAIC_NAMED_ONLY, **llama_configs}.items():
+                if not chosen(name):
                     continue
                 base = dict(prompt=prompt, decode=decode, threads=args.threads)
                 if name.startswith("mosaic"):

@@ -189,6 +189,7 @@ def worker(spec: dict) -> dict:
     total = sum(len(ids) for ids, _ in sequences)
     probe_at = {round(total * (i + 0.5) / spec["probes"]) for i in range(spec["probes"])}
     probes, paused, probing = [], 0.0, probe_ring(engine.vault, "direct")
+    sample = max(2 * probing.n_slots, PROBE_BYTES // engine.vault.header.record_bytes)  # two queues at least
     digest = hashlib.sha256()
     n = 0
     busy0 = ring.busy_seconds
@@ -197,7 +198,7 @@ def worker(spec: dict) -> dict:
         for ids, routes in sequences:
             for pos, token in enumerate(ids):
                 if n in probe_at:
-                    paused += probe_disk(engine, probing, probes, seed=n)
+                    paused += probe_disk(engine, probing, sample, probes, seed=n)
                 current[:] = [routes[pos]]
                 logits = engine._forward([token], pos)
                 digest.update(logits.numpy().tobytes())
@@ -218,14 +219,13 @@ def worker(spec: dict) -> dict:
     return out
 
 
-def probe_disk(engine, probing, probes: list[float], seed: int) -> float:
-    """Pause the decode for a short full-queue read of random records (stream_all on a sample of about
-    PROBE_BYTES) and append its GB/s to `probes`. Returns the seconds to leave out of the decode's time:
+def probe_disk(engine, probing, sample: int, probes: list[float], seed: int) -> float:
+    """Pause the decode for a short full-queue read of `sample` random records (stream_all) and append its
+    GB/s to `probes`. Returns the seconds to leave out of the decode's time:
     the pause less the time the engine's own reads were in progress during it (reads ahead that landed
     during the pause count as if they had not). `probing`: the probe_ring, made before the run."""
     ring = engine.store.ring
     busy, t = ring.busy_seconds, time.perf_counter()
-    sample = max(2 * probing.n_slots, PROBE_BYTES // engine.vault.header.record_bytes)  # two queues at least
     probes.append(stream_all(engine.vault, "direct", seed=seed, sample=sample, ring=probing))
     return time.perf_counter() - t - (ring.busy_seconds - busy)
 
