@@ -124,28 +124,35 @@ def moe_on_ring(ring, slots, tokens, weights, x, y, threads=2):
     return worker, scratch, out
 
 
-def routed(seed=1):
+def routed(shape: str, seed=1):
+    """A prefill-shaped call (an expert with two rows: whole experts a thread) or a decode-shaped one (one
+    token, one row an expert: the staged driver, whose threads share an expert's projections)."""
     rng = np.random.default_rng(seed)
+    if shape == "decode":
+        x = rng.standard_normal((1, LAYOUT.hidden), dtype=np.float32)
+        return x, [np.array([0], np.int32)] * 3, [np.array([w], np.float32) for w in (0.5, 0.75, 0.25)]
     x = rng.standard_normal((2, LAYOUT.hidden), dtype=np.float32)
     tokens = [np.array([0, 1], np.int32), np.array([1], np.int32), np.array([0], np.int32)]
     weights = [np.array([0.5, 0.25], np.float32), np.array([0.75], np.float32), np.array([0.5], np.float32)]
     return x, tokens, weights
 
 
-def test_kernel_runs_arrived_experts_while_a_read_is_in_flight(records_file):
+@pytest.mark.parametrize("shape", ["prefill", "decode"])
+def test_kernel_runs_arrived_experts_while_a_read_is_in_flight(records_file, shape):
     path, records = records_file
     ring = Ring(path, 3, LAYOUT.record_bytes, "buffered", io_threads=1)
     load(ring, 0, 0, records)
     load(ring, 1, 1, records)
     ring.set_state(2, SlotState.LOADING)  # a read that has not landed yet
-    x, tokens, weights = routed()
+    x, tokens, weights = routed(shape)
     y = np.zeros_like(x)
     worker, scratch, out = moe_on_ring(ring, [0, 1, 2], tokens, weights, x, y)
     deadline = time.monotonic() + 10
-    # The outputs of experts 0 and 1 (scratch rows 0..2) appear while expert 2's record is still missing.
-    while not (scratch[:3 * LAYOUT.hidden] != 0).reshape(3, -1).any(1).all() and time.monotonic() < deadline:
+    # The outputs of experts 0 and 1 (their scratch rows) appear while expert 2's record is still missing.
+    rows = 3 if shape == "prefill" else 2
+    while not (scratch[:rows * LAYOUT.hidden] != 0).reshape(rows, -1).any(1).all() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert worker.is_alive() and not y.any()
+    assert worker.is_alive() and not y.any() and not scratch[rows * LAYOUT.hidden:(rows + 1) * LAYOUT.hidden].any()
     ring.set_state(2, SlotState.EMPTY)
     load(ring, 2, 2, records)  # the read lands: the kernel wakes and finishes
     worker.join(10)
@@ -156,12 +163,13 @@ def test_kernel_runs_arrived_experts_while_a_read_is_in_flight(records_file):
     ring.close()
 
 
-def test_failed_read_voids_the_layer(records_file):
+@pytest.mark.parametrize("shape", ["prefill", "decode"])
+def test_failed_read_voids_the_layer(records_file, shape):
     path, records = records_file
     ring = Ring(path, 3, LAYOUT.record_bytes, "buffered")
     load(ring, 0, 0, records)
     load(ring, 1, 1, records)
-    x, tokens, weights = routed()
+    x, tokens, weights = routed(shape)
     y = np.zeros_like(x)
     ring.submit(2, 2 * LAYOUT.record_bytes, records[2].size, zlib.crc32(records[2]) ^ 1)
     worker, _, out = moe_on_ring(ring, [0, 1, 2], tokens, weights, x, y)
