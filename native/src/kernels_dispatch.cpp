@@ -182,17 +182,13 @@ double seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 
 }  // namespace
 
-// y += the tasks' experts in task order, for a decode-shaped call: every task one row. Each expert is four
-// work items, its gate and its up projection and two halves of its down projection's rows, so the threads
-// share the last expert instead of one of them running it alone: whole experts left the threads idle 4 %
-// of the MoE time with every record here, and with records still arriving the last one to land ran on one
-// thread while the other waited for the layer to end. A thread sleeps on the ring only when reads in
-// flight are all that stand between it and an item. Every row is computed as in moe_experts, so the sums
-// are bit for bit its own. Returns -1, or a task whose record failed to arrive (y untouched, every read
-// of the call landed); wait_ns: the threads' summed time asleep on the ring.
-int moe_decode_staged(const RecordLayout& layout, const ExpertActivation& act, MatvecFn matvec, const float* x,
-                      int hidden, const ExpertTask* tasks, int n_tasks, float* y, float* scratch, int threads,
-                      const Arrivals* arrivals, int64_t* wait_ns) {
+// y += the tasks' experts in task order, for a decode-shaped call: every task one row, every record here.
+// Each expert is four work items, its gate and its up projection and two halves of its down projection's
+// rows, so the threads share the last expert instead of one of them running it alone: whole experts left
+// the threads idle 4 % of the MoE time, waiting on each other's last one. Every row is computed as in
+// moe_experts, so the sums are bit for bit its own.
+void moe_decode_staged(const RecordLayout& layout, const ExpertActivation& act, MatvecFn matvec, const float* x,
+                       int hidden, const ExpertTask* tasks, int n_tasks, float* y, float* scratch, int threads) {
   const Plane *gc = &layout.planes[0], *gs = &layout.planes[1], *uc = &layout.planes[2], *us = &layout.planes[3];
   const Plane *dc = &layout.planes[4], *ds = &layout.planes[5];
   const ScaleDtype sdt = layout.scale_dtype;
@@ -206,7 +202,7 @@ int moe_decode_staged(const RecordLayout& layout, const ExpertActivation& act, M
   float* outs = scratch;                                   // [n_tasks][hidden]
   float* gu = scratch + static_cast<uint64_t>(n_tasks) * hidden;  // [n_tasks][gate: inter, up: inter]
   thread_local std::vector<std::atomic<uint8_t>> claimed;  // per item
-  thread_local std::vector<std::atomic<uint8_t>> halves;   // per task: gate and up done (3: activation ready)
+  thread_local std::vector<std::atomic<uint8_t>> halves;   // per task: gate and up done (2: activation ready)
   const int items = 4 * n_tasks;
   if (static_cast<int>(claimed.size()) < items) {
     claimed = std::vector<std::atomic<uint8_t>>(items);
@@ -214,52 +210,22 @@ int moe_decode_staged(const RecordLayout& layout, const ExpertActivation& act, M
   }
   for (int i = 0; i < items; ++i) claimed[i].store(0, std::memory_order_relaxed);
   for (int t = 0; t < n_tasks; ++t) halves[t].store(0, std::memory_order_relaxed);
+  std::atomic<int> left{items};
   auto* claim = claimed.data();
   auto* ready = halves.data();
-  auto status = [&](int t) {
-    return tasks[t].slot < 0 || arrivals == nullptr ? RecordStatus::Ready : arrivals->status(tasks[t].slot);
-  };
-  std::atomic<int> failed{-1};
-  std::atomic<int64_t> asleep{0};
 #pragma omp parallel num_threads(threads)
-  for (;;) {
-    const uint64_t epoch = arrivals ? arrivals->epoch() : 0;  // read before looking: no arrival goes unseen
+  while (left.load(std::memory_order_acquire) > 0) {
     // The first unclaimed item it can run: a down half once its expert's activation is ready, else a gate
-    // or up projection whose record is here (downs first, so the activations in flight stay few).
+    // or up projection (downs first, so the activations in flight stay few).
     int pick = -1;
-    bool in_flight = false, behind = false;  // a read it waits for; a down waiting on the other thread
-    const bool draining = failed.load(std::memory_order_relaxed) >= 0;  // the result is void: only wait
     for (int i = 0; i < items && pick < 0; ++i) {
       const int t = i % n_tasks, stage = 3 - i / n_tasks;  // items [down_hi.., down_lo.., up.., gate..]
       if (claim[t * 4 + stage].load(std::memory_order_relaxed)) continue;
-      const RecordStatus rs = status(t);
-      if (rs == RecordStatus::Pending) {
-        in_flight = true;
-        continue;
-      }
-      if (draining) continue;
-      if (stage >= 2 && ready[t].load(std::memory_order_acquire) < 3) {
-        if (rs == RecordStatus::Ready) behind = true;
-        continue;
-      }
-      if (claim[t * 4 + stage].exchange(1)) continue;  // another thread got there first
-      if (rs == RecordStatus::Failed) {
-        int none = -1;
-        failed.compare_exchange_strong(none, t);
-        break;
-      }
-      pick = t * 4 + stage;
+      if (stage >= 2 && ready[t].load(std::memory_order_acquire) < 3) continue;
+      if (!claim[t * 4 + stage].exchange(1)) pick = t * 4 + stage;
     }
     if (pick < 0) {
-      if (behind && failed.load(std::memory_order_relaxed) < 0) {
-        cpu::relax();  // the other thread is finishing a gate or up this one's remaining downs need
-      } else if (in_flight) {
-        const Clock::time_point w = Clock::now();
-        arrivals->wait_past(epoch);
-        asleep.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - w).count());
-      } else if (failed.load(std::memory_order_relaxed) < 0 || draining) {
-        break;  // every item is claimed, or the call is void and no read is in flight
-      }
+      cpu::relax();  // the other thread is finishing a gate or up this one's remaining downs need
       continue;
     }
     const int t = pick / 4, stage = pick % 4;
@@ -288,16 +254,14 @@ int moe_decode_staged(const RecordLayout& layout, const ExpertActivation& act, M
         if (layout.bias) add_bias(rec, layout.planes[8], out, 1, hidden, r0, r1);
       }
     }
+    left.fetch_sub(1, std::memory_order_acq_rel);
   }
-  *wait_ns = asleep.load();
-  if (failed.load() >= 0) return failed.load();
   for (int t = 0; t < n_tasks; ++t) {  // in task order: the same sums whatever the threads did
     float* dst = y + static_cast<uint64_t>(tasks[t].tokens[0]) * hidden;
     const float* src = outs + static_cast<uint64_t>(t) * hidden;
     const float w = tasks[t].weights[0];
     for (int c = 0; c < hidden; ++c) dst[c] += w * src[c];
   }
-  return -1;
 }
 
 int moe_experts(const RecordLayout& layout, const ExpertActivation& act, const float* x, int hidden,
@@ -312,17 +276,15 @@ int moe_experts(const RecordLayout& layout, const ExpertActivation& act, const f
   auto ready = [&](int t) {
     return tasks[t].slot < 0 || arrivals == nullptr ? RecordStatus::Ready : arrivals->status(tasks[t].slot);
   };
-  bool one_row = true;  // every task one row: the staged driver
-  for (int t = 0; t < n_tasks && one_row; ++t) one_row = tasks[t].n == 1;
+  // Every task one row and every record already here: the staged driver. With reads still landing, whole
+  // experts a thread are faster: sharing the last one to land kept both cores busy while the ring's reader
+  // needed one to keep the disk fed (a 25 % replay 9-16 % slower, the disk busy a smaller share).
+  bool one_row = true;
+  for (int t = 0; t < n_tasks && one_row; ++t) one_row = tasks[t].n == 1 && ready(t) == RecordStatus::Ready;
   if (one_row) {
-    int64_t wait_ns = 0;
-    const int failed = moe_decode_staged(layout, act, matvec, x, hidden, tasks, n_tasks, y, scratch, threads,
-                                         arrivals, &wait_ns);
-    if (timing) {
-      timing->wait_s = static_cast<double>(wait_ns) * 1e-9 / (threads > 0 ? threads : 1);
-      timing->total_s = seconds(Clock::now() - start);
-    }
-    return failed;
+    moe_decode_staged(layout, act, matvec, x, hidden, tasks, n_tasks, y, scratch, threads);
+    if (timing) timing->wait_s = 0.0, timing->total_s = seconds(Clock::now() - start);
+    return -1;
   }
 
   thread_local DriverState st;

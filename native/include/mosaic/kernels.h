@@ -144,11 +144,9 @@ struct MoeTiming {
   double total_s = 0;  // the whole call
 };
 
-// Y[T, H] += the routed experts' outputs. Tasks are split over `threads` threads, each thread taking the
-// first task whose record has arrived: whole experts, or in a decode-shaped call (one row a task) an
-// expert's gate, up or half of its down rows, so both threads share the last expert to land. Each task's
-// output lands in its own scratch rows and is added to Y in task order, so the result never depends on the
-// thread count or on arrival order.
+// Y[T, H] += the routed experts' outputs. Tasks are split over `threads` threads, whole experts each, each
+// thread taking the first task whose record has arrived; each task's output lands in its own scratch rows
+// and is added to Y in task order, so the result never depends on the thread count or on arrival order.
 // Returns -1, or the index of a task whose record failed to arrive: then Y is left untouched and the call
 // returns once every other task is done. scratch: at least moe_scratch_floats(...) floats, allocated once.
 // Each expert computes down(act(gate x + b_gate, up x + b_up)) + b_down, the biases when the layout has them.
