@@ -402,10 +402,44 @@ MOSAIC_VNNI void row_tile_codes(const MatvecArgs& a, int r0, int rows, int block
   }
 }
 
-// A row tile's 16 rows against tokens [t0, t0 + NT): y[t][r0 + lane] for the first `rows` lanes.
+// The activations as the rows-in-lanes loop reads them: tokens in groups of kLaneTokens and, within a group,
+// each block's activations of every token side by side, so that a token's sit at a fixed offset from its
+// block's (one address a block instead of one a token, which left too few registers for the sums).
+struct LaneX {
+  std::vector<int8_t> q;          // [token groups][quads][kLaneTokens][128], as QuantisedX::q lays a quad out
+  std::vector<float> sx;          // [token groups][blocks][kLaneTokens]
+  std::vector<int32_t> neg_zsum;  // [token groups][blocks][kLaneTokens]: minus QuantisedX::zsum
+};
+
+MOSAIC_VNNI void lane_x(const QuantisedX& qx, int n, int quads, int blocks, size_t s_stride, LaneX& out) {
+  const int groups = (n + kLaneTokens - 1) / kLaneTokens;
+  const size_t q_group = static_cast<size_t>(quads) * kLaneTokens * 128, s_group = static_cast<size_t>(blocks) * kLaneTokens;
+  out.q.assign(q_group * groups, 0);  // capacity is kept across calls; padding tokens' sums are never stored
+  out.sx.assign(s_group * groups, 0.f);
+  out.neg_zsum.assign(s_group * groups, 0);
+  for (int t = 0; t < n; ++t) {
+    const int g = t / kLaneTokens, i = t % kLaneTokens;
+    const int8_t* src = qx.q.data() + static_cast<size_t>(t) * quads * 128;
+    int8_t* dst = out.q.data() + g * q_group + static_cast<size_t>(i) * 128;
+    for (int quad = 0; quad < quads; ++quad)
+      std::memcpy(dst + static_cast<size_t>(quad) * kLaneTokens * 128, src + static_cast<size_t>(quad) * 128, 128);
+    for (int b = 0; b < blocks; ++b) {
+      out.sx[g * s_group + static_cast<size_t>(b) * kLaneTokens + i] = qx.sx[t * s_stride + b];
+      out.neg_zsum[g * s_group + static_cast<size_t>(b) * kLaneTokens + i] = -qx.zsum[t * s_stride + b];
+    }
+  }
+}
+
+// A row tile's 16 rows against the NT tokens of one LaneX group starting at token t0: y[t][r0 + lane] for the
+// first `rows` lanes. A block's eight vpdpbusd of one token depend on each other, so the group's tokens
+// advance side by side, NT sums in flight: one token at a time waited on vpdpbusd's latency.
 template <int NT>
-MOSAIC_VNNI void row_tile_tokens(const RowTile& tile, int blocks, const QuantisedX& qx, size_t q_stride,
-                                 size_t s_stride, int t0, int r0, int rows, float* y, int64_t ldy) {
+MOSAIC_VNNI void row_tile_tokens(const RowTile& tile, int blocks, const LaneX& lx, int t0, int r0, int rows, float* y,
+                                 int64_t ldy) {
+  const size_t g = static_cast<size_t>(t0 / kLaneTokens);
+  const int8_t* q = lx.q.data() + g * ((blocks + 3) / 4) * kLaneTokens * 128;
+  const float* sx = lx.sx.data() + g * blocks * kLaneTokens;
+  const int32_t* neg_zsum = lx.neg_zsum.data() + g * blocks * kLaneTokens;
   __m512 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
   for (int b = 0; b < blocks; ++b) {
@@ -414,20 +448,26 @@ MOSAIC_VNNI void row_tile_tokens(const RowTile& tile, int blocks, const Quantise
     for (int k = 0; k < 8; ++k) wk[k] = _mm512_loadu_si512(w + k * kLaneRows);
     const __m512 d = _mm512_loadu_ps(tile.d.data() + static_cast<size_t>(b) * kLaneRows);
     // block b's activations within its quad: the low-nibble elements at 16 (b % 4), the high at 64 + that
-    const size_t at = static_cast<size_t>(b / 4) * 128 + static_cast<size_t>(b % 4) * 16;
-    for (int t = 0; t < NT; ++t) {
-      const int8_t* q = qx.q.data() + static_cast<size_t>(t0 + t) * q_stride + at;
-      const size_t s = static_cast<size_t>(t0 + t) * s_stride + b;
-      __m512i sum = _mm512_set1_epi32(-qx.zsum[s]);
-      for (int k = 0; k < 4; ++k) {
+    const int8_t* qb = q + static_cast<size_t>(b / 4) * kLaneTokens * 128 + static_cast<size_t>(b % 4) * 16;
+    const float* sxb = sx + static_cast<size_t>(b) * kLaneTokens;
+    const int32_t* zb = neg_zsum + static_cast<size_t>(b) * kLaneTokens;
+    __m512i sum[NT];
+#pragma GCC unroll 16
+    for (int t = 0; t < NT; ++t) sum[t] = _mm512_set1_epi32(zb[t]);
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+#pragma GCC unroll 16
+      for (int t = 0; t < NT; ++t) {
         int32_t lo, hi;
-        std::memcpy(&lo, q + 4 * k, 4);
-        std::memcpy(&hi, q + 64 + 4 * k, 4);
-        sum = _mm512_dpbusd_epi32(sum, wk[k], _mm512_set1_epi32(lo));
-        sum = _mm512_dpbusd_epi32(sum, wk[4 + k], _mm512_set1_epi32(hi));
+        std::memcpy(&lo, qb + t * 128 + 4 * k, 4);
+        std::memcpy(&hi, qb + t * 128 + 64 + 4 * k, 4);
+        sum[t] = _mm512_dpbusd_epi32(sum[t], wk[k], _mm512_set1_epi32(lo));
+        sum[t] = _mm512_dpbusd_epi32(sum[t], wk[4 + k], _mm512_set1_epi32(hi));
       }
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(qx.sx[s])), acc[t]);
     }
+#pragma GCC unroll 16
+    for (int t = 0; t < NT; ++t)
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[t]), _mm512_mul_ps(d, _mm512_set1_ps(sxb[t])), acc[t]);
   }
   const __mmask16 in = static_cast<__mmask16>(rows >= kLaneRows ? 0xFFFF : (1u << rows) - 1);
   for (int t = 0; t < NT; ++t) _mm512_mask_storeu_ps(y + static_cast<uint64_t>(t0 + t) * ldy + r0, in, acc[t]);
@@ -482,12 +522,14 @@ MOSAIC_VNNI void int8_matvec(const MatvecArgs& a) {
   const size_t q_stride = static_cast<size_t>(quads) * 128, s_stride = static_cast<size_t>(groups) * kGroup;
   if (a.n >= kLaneMinTokens) {  // a prefill: 16 rows a vector, a row tile transposed once for every token
     thread_local RowTile tile;
+    thread_local LaneX lx;
+    lane_x(qx, a.n, quads, blocks, s_stride, lx);
     for (int r0 = 0; r0 < a.rows; r0 += kLaneRows) {
       const int rows = std::min(kLaneRows, a.rows - r0);
       row_tile_codes<Codes>(a, r0, rows, blocks, tile);
       for (int t = 0; t < a.n; t += kLaneTokens)
         for_lane_tokens(std::min(kLaneTokens, a.n - t), [&](auto tokens) MOSAIC_VNNI {
-          row_tile_tokens<decltype(tokens)::value>(tile, blocks, qx, q_stride, s_stride, t, r0, rows, a.y, a.ldy);
+          row_tile_tokens<decltype(tokens)::value>(tile, blocks, lx, t, r0, rows, a.y, a.ldy);
         });
     }
     return;
