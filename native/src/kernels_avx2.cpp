@@ -19,6 +19,7 @@ constexpr int kTokTile = 4;
 constexpr int kPrefetch = 4096;
 
 using avx2::reduce;
+using avx2::broadcast_dword;
 
 MOSAIC_AVX2 inline __m256 widen8(__m128i bytes, __m256 d) {  // 8 nibble codes -> d * (q - 8)
   return _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), _mm256_set1_ps(8.f)), d);
@@ -135,11 +136,9 @@ MOSAIC_AVX2 inline __m256i pair_dots(__m256i lo, __m256i ql, __m256i hi, __m256i
 // A half's four vpmaddubsw add in int16 (at most 4 x 2 x 24 x 127 = 24,384: no saturation), one vpmaddwd each.
 MOSAIC_AVX2 inline __m256i lane_dots(const int32_t* w, const int8_t* xl, const int8_t* xh) {
   auto half = [](const int32_t* wk, const int8_t* x) MOSAIC_AVX2 {
-    int32_t v[4];
-    std::memcpy(v, x, sizeof(v));
     auto step = [&](int k) MOSAIC_AVX2 {
       return _mm256_maddubs_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 8 * k)),
-                                  _mm256_set1_epi32(v[k]));
+                                  broadcast_dword(x + 4 * k));
     };
     const __m256i sum = _mm256_add_epi16(_mm256_add_epi16(step(0), step(1)), _mm256_add_epi16(step(2), step(3)));
     return _mm256_madd_epi16(sum, _mm256_set1_epi16(1));

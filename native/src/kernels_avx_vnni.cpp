@@ -20,18 +20,16 @@ MOSAIC_INT8_TARGET inline __m256i pair_dots(__m256i lo, __m256i ql, __m256i hi, 
   return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo, ql), hi, qh);
 }
 MOSAIC_INT8_TARGET inline __m256i lane_dots(const int32_t* w, const int8_t* xl, const int8_t* xh) {
-  int32_t vl[4], vh[4];
-  std::memcpy(vl, xl, sizeof(vl));
-  std::memcpy(vh, xh, sizeof(vh));
   auto codes = [&](int k) MOSAIC_INT8_TARGET {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 8 * k));
   };
-  __m256i sum = _mm256_setzero_si256();
+  // two chains of four: one of eight kept the loop waiting on vpdpbusd's latency
+  __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
   for (int k = 0; k < 4; ++k) {
-    sum = _mm256_dpbusd_avx_epi32(sum, codes(k), _mm256_set1_epi32(vl[k]));
-    sum = _mm256_dpbusd_avx_epi32(sum, codes(4 + k), _mm256_set1_epi32(vh[k]));
+    lo = _mm256_dpbusd_avx_epi32(lo, codes(k), avx2::broadcast_dword(xl + 4 * k));
+    hi = _mm256_dpbusd_avx_epi32(hi, codes(4 + k), avx2::broadcast_dword(xh + 4 * k));
   }
-  return sum;
+  return _mm256_add_epi32(lo, hi);
 }
 #include "int8_avx2_loops.h"
 

@@ -1,4 +1,4 @@
-// The target of the functions compiled for AVX2, and the lane sum they share (internal to native/src).
+// The target of the functions compiled for AVX2, and the helpers they share (internal to native/src).
 #pragma once
 
 #include <immintrin.h>
@@ -11,6 +11,13 @@ MOSAIC_AVX2 inline float reduce(__m256 v) {  // the sum of v's eight lanes
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 h = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
+}
+
+// The four bytes at p in every dword, as one load (vbroadcastss m32): a dword copied out with memcpy and
+// broadcast went through a general register and two shuffle-port moves, which starved vpdpbusd of its port.
+MOSAIC_AVX2 inline __m256i broadcast_dword(const void* p) {
+  typedef float any_float __attribute__((may_alias, aligned(1)));
+  return _mm256_castps_si256(_mm256_broadcast_ss(static_cast<const any_float*>(p)));
 }
 
 }  // namespace mosaic::avx2
