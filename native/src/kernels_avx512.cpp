@@ -351,7 +351,7 @@ MOSAIC_VNNI inline void int8_row_tokens(const uint8_t* row, const void* rs_base,
 // vpdpbusd into one int32 sum a row (started at minus the codes' offset), one convert, one multiply by
 // d * sx and one FMA, for 16 rows x 32 columns: 12 instructions where the row loops take 20.
 constexpr int kLaneRows = 16;     // rows a vector holds
-constexpr int kLaneTokens = 12;   // tokens sharing a row tile's transposed block: 12 accumulators, 8 codes
+constexpr int kLaneTokens = 12;   // tokens sharing a row tile's transposed block: 12 accumulators, 12 sums
 
 struct RowTile {
   std::vector<int32_t> codes;  // [blocks][8 groups][16 rows]: four unsigned codes (w + zero) a dword
