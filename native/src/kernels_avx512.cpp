@@ -413,7 +413,8 @@ struct LaneX {
 
 MOSAIC_VNNI void lane_x(const QuantisedX& qx, int n, int quads, int blocks, size_t s_stride, LaneX& out) {
   const int groups = (n + kLaneTokens - 1) / kLaneTokens;
-  const size_t q_group = static_cast<size_t>(quads) * kLaneTokens * 128, s_group = static_cast<size_t>(blocks) * kLaneTokens;
+  const size_t q_group = static_cast<size_t>(quads) * kLaneTokens * 128;
+  const size_t s_group = static_cast<size_t>(blocks) * kLaneTokens;
   out.q.assign(q_group * groups, 0);  // capacity is kept across calls; padding tokens' sums are never stored
   out.sx.assign(s_group * groups, 0.f);
   out.neg_zsum.assign(s_group * groups, 0);
