@@ -297,6 +297,11 @@ def main() -> None:
     def chosen(name: str) -> bool:  # named by --engines; with none named, every configuration not named-only
         return (name in wanted) if wanted is not None else (name not in MOSAIC_NAMED_ONLY)
 
+    try:
+        importlib.metadata.version("llama-cpp-python")
+    except importlib.metadata.PackageNotFoundError:
+        sys.exit("peer_bench: llama-cpp-python is not installed (pip install -e '.[peer]', or put a build of it "
+                 "on PYTHONPATH): the GGUF and the peer's runs need it")
     src = llama_source(args.llama_src)
     models = {}
     for case in args.cases.split(","):
