@@ -312,3 +312,20 @@ def test_mosaic_isa_caps_the_kernels_and_reports_a_bad_value():
     names = ("scalar, neon, neon-i8mm, neon-dot" if K.isa_available(K.NEON)  # this build's architecture
              else "scalar, avx2, avx512, amx, avx512-vnni, avx-vnni, avx2-int8")
     assert f"MOSAIC_ISA=avx9000 is not one of {names}; ignored" in bad.stderr
+
+
+@pytest.mark.parametrize("shape", [(1, 7), (3, 33), (5, 2, 129), (513, 64)])
+def test_rms_norm_on_the_cpu_matches_float64_whatever_the_threads(shape):
+    # The prompt's norms run the decode step's native norm row by row (models/base.rms_norm): each row as
+    # the float64 formula gives it, and the same bits on any thread count.
+    from mosaic_runtime.models.base import rms_norm
+    from mosaic_runtime.ops import using_threads
+    g = torch.Generator().manual_seed(len(shape))
+    x, w = torch.randn(*shape, generator=g) * 3, torch.randn(shape[-1], generator=g)
+    ref = w.double() * x.double() / (x.double().pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
+    outs = []
+    for threads in (1, 2, 3):
+        with using_threads(threads):
+            outs.append(rms_norm(x, w, 1e-6))
+    assert outs[0].shape == x.shape and (outs[0].double() - ref).abs().max() <= 1e-6 * ref.abs().max()
+    assert all(torch.equal(outs[0], o) for o in outs[1:])

@@ -20,9 +20,15 @@ _DECODE_KERNELS = {torch.float32: _native.kernels.decode_attention, torch.bfloat
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, computed in float32 (as transformers' Qwen3MoeRMSNorm), in one fused op
-    when activations are float32 (the token loop calls this 4 times a layer)."""
+    """RMSNorm over the last dim, computed in float32 (as transformers' Qwen3MoeRMSNorm): on the CPU the
+    native decode step's norm over every row (its sum of squares in double), elsewhere one fused op when
+    activations are float32."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        if x.device.type == "cpu" and not x.requires_grad:
+            rows = x.reshape(-1, x.shape[-1]).contiguous()
+            y = np.empty(rows.shape, np.float32)
+            _native.kernels.rms_norm_rows(threads(), rows.numpy(), weight.contiguous().numpy(), eps, y)
+            return torch.from_numpy(y).view(x.shape)
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     x32 = x.float()
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)

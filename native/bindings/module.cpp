@@ -172,6 +172,13 @@ void init_kernels(nb::module_& m) {
     linear_bf16(w.data(), static_cast<int>(w.shape(0)), static_cast<int>(w.shape(1)), x.data(),
                 static_cast<int>(x.shape(0)), y.data(), threads, Isa(isa));
   });
+  k.def("rms_norm_rows", [](int threads, Matrix x, Floats1 w, float eps, OutMatrix y) {
+    // y[r] = w * x[r] / rms(x[r]) for each row (the decode step's norm: the sum of squares in double).
+    check(x.shape(1) == w.shape(0) && y.shape(0) == x.shape(0) && y.shape(1) == x.shape(1), "rms_norm_rows: shapes");
+    nb::gil_scoped_release release;
+    rms_norm_rows(x.data(), w.data(), static_cast<int64_t>(x.shape(0)), static_cast<int>(x.shape(1)), eps, y.data(),
+                  threads);
+  });
   k.def("linear_quant", [](int isa, int threads, nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> w,
                            Floats1 scales, bool fp8, Matrix x, OutMatrix y) {
     // y[n, rows] = x[n, cols] @ (w * scales[:, None]).T, w int8 (or E4M3 when fp8) codes as uint8.

@@ -13,20 +13,6 @@
 
 namespace mosaic {
 
-void rms_norm(const float* x, const float* w, int n, float eps, float* y) {
-  // double: one pass, no cancellation worries over thousands of squares; 8 partial sums, so the loop is
-  // not one chain of dependent adds (which made this 4.7 us of a layer's serial time).
-  double part[8] = {};
-  int i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) part[j] += static_cast<double>(x[i + j]) * x[i + j];
-  double ss = 0.0;
-  for (; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
-  for (double p : part) ss += p;
-  const float inv = 1.0f / std::sqrt(static_cast<float>(ss / n) + eps);
-  for (i = 0; i < n; ++i) y[i] = w[i] * (x[i] * inv);
-}
-
 void project(const BackboneMatrix& p, const float* x, float* y, int threads, Isa isa) {
   switch (p.kind) {
     case BackboneMatrix::Bf16:

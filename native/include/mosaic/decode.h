@@ -190,8 +190,10 @@ BackboneMatrix row_slice(const BackboneMatrix& w, int first, int count);
 // split evenly over the threads.
 void project_together(const BackboneMatrix* const* ws, float* const* ys, int count, const float* x, int threads,
                       Isa isa);
-// y = w * x / rms(x) over n values (float32; the sum of squares in double).
+// y = w * x / rms(x) over n values (float32; the sum of squares in double); rms_norm.cpp.
 void rms_norm(const float* x, const float* w, int n, float eps, float* y);
+// The same for each of `rows` rows of n values (x and y [rows, n], y may be x), over the threads.
+void rms_norm_rows(const float* x, const float* w, int64_t rows, int n, float eps, float* y, int threads);
 
 // The Gated DeltaNet mixer's step (decode_delta.cpp): out [hidden] = the mixer's output for normed input h;
 // its conv window and recurrent state move on by this token.
