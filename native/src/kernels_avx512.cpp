@@ -390,7 +390,7 @@ MOSAIC_VNNI void row_tile_codes(const MatvecArgs& a, int r0, int rows, int block
   }
   // A block's 16 code bytes of the 16 rows: each half as two quadword gathers of 8 rows, split into its two
   // dwords by a two-source permute each (half the loads of gathering dwords; at 16-32 tokens the 768 x 2048
-  // expert matrices ran 1.05-1.1x, `python benchmarks/matvec_bench.py`).
+  // expert matrices ran 1.05-1.1x, an ad-hoc matvec loop alternated with dword gathers).
   const __m256i rows_lo = _mm512_castsi512_si256(row_at), rows_hi = _mm512_extracti64x4_epi64(row_at, 1);
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
@@ -420,12 +420,13 @@ struct LaneX {
   std::vector<int8_t> q;          // [token groups][quads][kLaneTokens][128], as QuantisedX::q lays a quad out
   std::vector<float> sx;          // [token groups][blocks][kLaneTokens]
   std::vector<int32_t> neg_zsum;  // [token groups][blocks][kLaneTokens]: minus QuantisedX::zsum
+  size_t q_group = 0, s_group = 0;  // a token group's share of q, and of sx and neg_zsum
 };
 
 MOSAIC_VNNI void lane_x(const QuantisedX& qx, int n, int quads, int blocks, size_t s_stride, LaneX& out) {
   const int groups = (n + kLaneTokens - 1) / kLaneTokens;
-  const size_t q_group = static_cast<size_t>(quads) * kLaneTokens * 128;
-  const size_t s_group = static_cast<size_t>(blocks) * kLaneTokens;
+  const size_t q_group = out.q_group = static_cast<size_t>(quads) * kLaneTokens * 128;
+  const size_t s_group = out.s_group = static_cast<size_t>(blocks) * kLaneTokens;
   out.q.assign(q_group * groups, 0);  // capacity is kept across calls; padding tokens' sums are never stored
   out.sx.assign(s_group * groups, 0.f);
   out.neg_zsum.assign(s_group * groups, 0);
@@ -449,9 +450,9 @@ template <int NT>
 MOSAIC_VNNI void row_tile_tokens(const RowTile& tile, int blocks, const LaneX& lx, int t0, int r0, int rows, float* y,
                                  int64_t ldy) {
   const size_t g = static_cast<size_t>(t0 / kLaneTokens);
-  const int8_t* q = lx.q.data() + g * ((blocks + 3) / 4) * kLaneTokens * 128;
-  const float* sx = lx.sx.data() + g * blocks * kLaneTokens;
-  const int32_t* neg_zsum = lx.neg_zsum.data() + g * blocks * kLaneTokens;
+  const int8_t* q = lx.q.data() + g * lx.q_group;
+  const float* sx = lx.sx.data() + g * lx.s_group;
+  const int32_t* neg_zsum = lx.neg_zsum.data() + g * lx.s_group;
   __m512 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
   for (int b = 0; b < blocks; ++b) {
