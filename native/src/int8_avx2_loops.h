@@ -3,9 +3,10 @@
 // A function's target cannot depend on a template parameter, so each includer defines, in its own
 // anonymous namespace before including this, MOSAIC_INT8_TARGET (the loops' target) and
 // `__m256i pair_dots(lo, ql, hi, qh)`: lane i = the sum of codes x activations over bytes 4i..4i+3 of
-// lo x ql plus hi x qh (codes unsigned, activations signed), and `__m256i lane_dots(w, xl, xh)`: lane r = the
-// sum over k < 4 of the four codes of row r in w[8 k + r] x activations xl[4k..4k+3], plus w[32 + 8 k + r] x
-// xh[4k..4k+3] (rows in lanes; w an int32 array, any alignment). Every sum is exact, so the two files agree
+// lo x ql plus hi x qh (codes unsigned, activations signed), and `block_dots<NT, Mx>(w, q, neg_zsum, sum)` for
+// NT up to `kLaneTokens<Mx>`: lane r of sum[t] = neg_zsum[t] plus the sum over k < 8 of the four codes of row r
+// in w[8 k + r] x activations q[32 t + 4 k..32 t + 4 k + 3] (rows in lanes; w an int32 array, any alignment;
+// Mx: MXFP4's codes, up to 24). Every sum is exact, so the two files agree
 // bit for bit. Internal to native/src; no include guard: included once per instruction set, inside a
 // namespace, after <immintrin.h>, <algorithm>, <cstring>, <vector>, mosaic/kernels.h, prefill_blocks.h and
 // simd_avx2.h.
@@ -25,6 +26,7 @@ struct QuantisedX {
                              // (Q4: 0..15; MXFP4: the even ones), then its high nibbles' (16..31; odd)
   std::vector<float> sx;     // [n][groups * 8]: activation scale per block, zero past the last block
   std::vector<float> off;    // [n][groups * 8]: zero * sx * sum(q) per block, zero the codes' offset
+  std::vector<int32_t> zsum; // [n][groups * 8]: zero * sum(q) per block, the offset as the lane loop takes it
 };
 
 // The weights' side of the int8 loop, as in kernels_avx512.cpp: Q4's codes are w + 8, low nibbles holding
@@ -51,6 +53,7 @@ MOSAIC_AVX2 void quantise_x(const MatvecArgs& a, int pairs, int groups, Quantise
   out.q.assign(per_q * a.n, 0);  // capacity is kept across calls: no allocation once warm
   out.sx.assign(per_b * a.n, 0.f);
   out.off.assign(per_b * a.n, 0.f);
+  out.zsum.assign(per_b * a.n, 0);
   const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int t = 0; t < a.n; ++t) {
@@ -85,6 +88,7 @@ MOSAIC_AVX2 void quantise_x(const MatvecArgs& a, int pairs, int groups, Quantise
       const int sum = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 1)));
       out.sx[per_b * t + b] = sx;
       out.off[per_b * t + b] = Codes::kZero * sx * static_cast<float>(sum);
+      out.zsum[per_b * t + b] = static_cast<int32_t>(Codes::kZero) * sum;
     }
   }
 }
@@ -203,9 +207,8 @@ constexpr int kInt8Tokens = 4;
 // int8_row spends a convert, a scale permute and an FMA a token on every two blocks of every row beside its
 // dot products. Here a vector holds 8 rows: a row tile's codes are transposed once (RowTile) so that dword
 // group k of a block is one vector of the 8 rows' four codes, and a token's four activations of that group
-// are a broadcast operand. A block against a token is then the includer's lane_dots (eight dot steps into
-// one int32 sum a row), one convert, one multiply by d * sx and two FMAs (the sum, less the codes' offset),
-// for 8 rows x 32 columns.
+// are a broadcast operand. A block against a token is then eight dot steps into one int32 sum a row, less
+// the codes' offset, one convert, one multiply by d * sx and one FMA, for 8 rows x 32 columns.
 constexpr int kLaneRows = 8;
 
 struct RowTile {
@@ -265,24 +268,65 @@ MOSAIC_INT8_TARGET void row_tile_codes(const MatvecArgs& a, int r0, int rows, in
   }
 }
 
-// A row tile's 8 rows against tokens [t0, t0 + NT): y[t][r0 + lane] for the first `rows` lanes.
-template <int NT>
-MOSAIC_INT8_TARGET void row_tile_tokens(const RowTile& tile, int blocks, const QuantisedX& qx, size_t q_stride,
-                                        size_t s_stride, int t0, int r0, int rows, float* y, int64_t ldy) {
+// Calls of this many tokens or more take the rows-in-lanes loop: at 5-7 it ran 1.04-1.5x the row loop, at
+// 2-4 no better (`matvec` of the bench shapes alternated between the two builds, on an Intel Xeon forced to
+// each of avx2-int8 and avx-vnni).
+constexpr int kLaneMinTokens = 5;
+
+// The activations as the rows-in-lanes loop reads them (kernels_avx512.cpp's LaneX at AVX2 width): tokens in
+// groups of the includer's kLaneTokens<Mx> and, within a group, each block's activations of every token side by
+// side, so that one address a block serves the group and a code vector, loaded once, meets every token of it.
+struct LaneX {
+  std::vector<int8_t> q;          // [token groups][blocks][group][32]: the low-nibble elements, then the high
+  std::vector<float> sx;          // [token groups][blocks][group]
+  std::vector<int32_t> neg_zsum;  // [token groups][blocks][group]: minus QuantisedX::zsum
+  int group = 0;                  // tokens a group
+  size_t q_group = 0, s_group = 0;  // a token group's share of q, and of sx and neg_zsum
+};
+
+MOSAIC_INT8_TARGET void lane_x(const QuantisedX& qx, int n, int group, int blocks, size_t q_stride, size_t s_stride,
+                               LaneX& out) {
+  const int groups = (n + group - 1) / group;
+  out.group = group;
+  const size_t s_group = out.s_group = static_cast<size_t>(blocks) * group;
+  const size_t q_group = out.q_group = s_group * 32;
+  out.q.assign(q_group * groups, 0);  // capacity is kept across calls; padding tokens' sums are never stored
+  out.sx.assign(s_group * groups, 0.f);
+  out.neg_zsum.assign(s_group * groups, 0);
+  for (int t = 0; t < n; ++t) {
+    const size_t g = static_cast<size_t>(t / group), i = static_cast<size_t>(t % group);
+    for (int b = 0; b < blocks; ++b) {
+      const int8_t* src = qx.q.data() + t * q_stride + static_cast<size_t>(b / 2) * 64 + (b % 2) * 16;
+      const size_t at = g * s_group + static_cast<size_t>(b) * group + i;
+      std::memcpy(out.q.data() + at * 32, src, 16);
+      std::memcpy(out.q.data() + at * 32 + 16, src + 32, 16);
+      out.sx[at] = qx.sx[t * s_stride + b];
+      out.neg_zsum[at] = -qx.zsum[t * s_stride + b];
+    }
+  }
+}
+
+// A row tile's 8 rows against the NT tokens of one LaneX group starting at token t0: y[t][r0 + lane] for the
+// first `rows` lanes. A block is the includer's block_dots (the exact integer sums, less the codes' offset),
+// then per token one convert, one multiply by d * sx and one FMA.
+template <int NT, typename Codes>
+MOSAIC_INT8_TARGET void row_tile_tokens(const RowTile& tile, int blocks, const LaneX& lx, int t0, int r0, int rows,
+                                        float* y, int64_t ldy) {
+  const size_t g = static_cast<size_t>(t0 / lx.group);
+  const int8_t* q = lx.q.data() + g * lx.q_group;
+  const float* sx = lx.sx.data() + g * lx.s_group;
+  const int32_t* neg_zsum = lx.neg_zsum.data() + g * lx.s_group;
   __m256 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
   for (int b = 0; b < blocks; ++b) {
     const int32_t* w = tile.codes.data() + static_cast<size_t>(b) * 8 * kLaneRows;
+    const size_t at = static_cast<size_t>(b) * lx.group;
+    __m256i sum[NT];
+    block_dots<NT, Codes::kMx>(w, q + at * 32, neg_zsum + at, sum);
     const __m256 d = _mm256_loadu_ps(tile.d.data() + static_cast<size_t>(b) * kLaneRows);
-    // block b's activations within its pair: the low-nibble elements at 16 (b % 2), the high at 32 + that
-    const size_t at = static_cast<size_t>(b / 2) * 64 + static_cast<size_t>(b % 2) * 16;
-    for (int t = 0; t < NT; ++t) {
-      const int8_t* q = qx.q.data() + static_cast<size_t>(t0 + t) * q_stride + at;
-      const size_t s = static_cast<size_t>(t0 + t) * s_stride + b;
-      const __m256 dot = _mm256_cvtepi32_ps(lane_dots(w, q, q + 32));
-      acc[t] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(qx.sx[s])), acc[t]);
-      acc[t] = _mm256_fnmadd_ps(d, _mm256_set1_ps(qx.off[s]), acc[t]);
-    }
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t)
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]), _mm256_mul_ps(d, _mm256_set1_ps(sx[at + t])), acc[t]);
   }
   alignas(32) float out[kLaneRows];
   for (int t = 0; t < NT; ++t) {
@@ -291,11 +335,32 @@ MOSAIC_INT8_TARGET void row_tile_tokens(const RowTile& tile, int blocks, const Q
   }
 }
 
-// Tokens a row tile's pass takes at once: six accumulators live across the blocks (eight spilled, and ran
-// 0.75-0.9x six), and the calls that take the rows-in-lanes loop at all: at 8 tokens the two loops were even
-// (`MOSAIC_ISA=avx2 python benchmarks/matvec_bench.py --tokens 8`, AMD Zen 3), at 12 this one ran 1.2x.
-constexpr int kLaneTokens = 6;
-constexpr int kLaneMinTokens = 8;
+// f(std::integral_constant<int, nt>{}) for nt in 1..Max.
+template <int Max, typename F>
+MOSAIC_INT8_TARGET inline void with_tokens(int nt, F&& f) {
+  if constexpr (Max > 1) {
+    if (nt == Max) f(std::integral_constant<int, Max>{});
+    else with_tokens<Max - 1>(nt, f);
+  } else {
+    f(std::integral_constant<int, 1>{});
+  }
+}
+
+// A prefill with rows in lanes: every row tile transposed once, then run against each token group.
+template <typename Codes, typename Scale>
+MOSAIC_INT8_TARGET void lane_prefill(const MatvecArgs& a, const QuantisedX& qx, int blocks, int groups,
+                                     size_t q_stride, size_t s_stride, RowTile& tile, LaneX& lx) {
+  constexpr int group = kLaneTokens<Codes::kMx>;
+  lane_x(qx, a.n, group, blocks, q_stride, s_stride, lx);
+  for (int r0 = 0; r0 < a.rows; r0 += kLaneRows) {
+    const int rows = std::min(kLaneRows, a.rows - r0);
+    row_tile_codes<Codes, Scale>(a, r0, rows, blocks, groups, tile);
+    for (int t = 0; t < a.n; t += group)
+      with_tokens<group>(std::min(group, a.n - t), [&](auto tokens) MOSAIC_INT8_TARGET {
+        row_tile_tokens<decltype(tokens)::value, Codes>(tile, blocks, lx, t, r0, rows, a.y, a.ldy);
+      });
+  }
+}
 
 // Q4 (f16 scales) or MXFP4 (E8M0 scales) against int8 activations.
 template <typename Codes, typename Scale>
@@ -314,21 +379,14 @@ MOSAIC_INT8_TARGET void int8_matvec(const MatvecArgs& a) {
   }
   const size_t q_stride = static_cast<size_t>(pairs) * 64, s_stride = static_cast<size_t>(groups) * kInt8Group;
   if (a.n >= kLaneMinTokens) {  // a prefill: 8 rows a vector, a row tile transposed once for every token
-    thread_local RowTile tile;
-    for (int r0 = 0; r0 < a.rows; r0 += kLaneRows) {
-      const int rows = std::min(kLaneRows, a.rows - r0);
-      row_tile_codes<Codes, Scale>(a, r0, rows, blocks, groups, tile);
-      for (int t = 0; t < a.n; t += kLaneTokens) {
-        switch (std::min(kLaneTokens, a.n - t)) {
-          case 6: row_tile_tokens<6>(tile, blocks, qx, q_stride, s_stride, t, r0, rows, a.y, a.ldy); break;
-          case 5: row_tile_tokens<5>(tile, blocks, qx, q_stride, s_stride, t, r0, rows, a.y, a.ldy); break;
-          case 4: row_tile_tokens<4>(tile, blocks, qx, q_stride, s_stride, t, r0, rows, a.y, a.ldy); break;
-          case 3: row_tile_tokens<3>(tile, blocks, qx, q_stride, s_stride, t, r0, rows, a.y, a.ldy); break;
-          case 2: row_tile_tokens<2>(tile, blocks, qx, q_stride, s_stride, t, r0, rows, a.y, a.ldy); break;
-          default: row_tile_tokens<1>(tile, blocks, qx, q_stride, s_stride, t, r0, rows, a.y, a.ldy);
-        }
-      }
-    }
+    thread_local RowTile tile_buffer;
+    thread_local LaneX lx_buffer;
+    RowTile* tile = &tile_buffer;
+    LaneX* lx = &lx_buffer;
+    // Opaque to the optimiser: knowing them for thread_locals, GCC re-derived their addresses (a call to
+    // __tls_get_addr, the shared library's TLS model) at every access in the tile loop, spilling the sums.
+    __asm__("" : "+r"(tile), "+r"(lx));
+    lane_prefill<Codes, Scale>(a, qx, blocks, groups, q_stride, s_stride, *tile, *lx);
     return;
   }
   // A short prefill: row panels in L2, token tiles in L1 (prefill_blocks.h).

@@ -133,17 +133,40 @@ MOSAIC_AVX2 inline __m256i pair_dots(__m256i lo, __m256i ql, __m256i hi, __m256i
   const __m256i pairs16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, ql), _mm256_maddubs_epi16(hi, qh));
   return _mm256_madd_epi16(pairs16, _mm256_set1_epi16(1));
 }
-// A half's four vpmaddubsw add in int16 (at most 4 x 2 x 24 x 127 = 24,384: no saturation), one vpmaddwd each.
-MOSAIC_AVX2 inline __m256i lane_dots(const int32_t* w, const int8_t* xl, const int8_t* xh) {
-  auto half = [](const int32_t* wk, const int8_t* x) MOSAIC_AVX2 {
-    auto step = [&](int k) MOSAIC_AVX2 {
-      return _mm256_maddubs_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 8 * k)),
-                                  broadcast_dword(x + 4 * k));
-    };
-    const __m256i sum = _mm256_add_epi16(_mm256_add_epi16(step(0), step(1)), _mm256_add_epi16(step(2), step(3)));
-    return _mm256_madd_epi16(sum, _mm256_set1_epi16(1));
-  };
-  return _mm256_add_epi32(half(w, xl), half(w + 32, xh));
+// A block's dot products for NT tokens, rows in lanes (int8_avx2_loops.h). Q4's eight vpmaddubsw of a token
+// add in int16 (codes 0..15: at most 8 x 2 x 15 x 127 = 30,480, no saturation) and widen with one vpmaddwd;
+// MXFP4's codes reach 24, so each half of four widens on its own (at most 24,384), and a token group is
+// four, to keep the int16 and int32 sums of every token in registers.
+template <bool Mx>
+constexpr int kLaneTokens = Mx ? 4 : 6;
+
+// a + b in int16, in the order written: GCC otherwise reassociates a token's adds into a tree over all of a
+// block's products, which holds every product at once and spills them.
+MOSAIC_AVX2 inline __m256i add16_in_order(__m256i a, __m256i b) {
+  __m256i r = _mm256_add_epi16(a, b);
+  __asm__("" : "+x"(r));
+  return r;
+}
+
+template <int NT, bool Mx>
+MOSAIC_AVX2 inline void block_dots(const int32_t* w, const int8_t* q, const int32_t* neg_zsum, __m256i (&sum)[NT]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i s16[NT];
+#pragma GCC unroll 8
+  for (int t = 0; t < NT; ++t) sum[t] = _mm256_set1_epi32(neg_zsum[t]);
+#pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k) {  // k: the dword group, 0-3 low nibbles, 4-7 high
+    const __m256i wk = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 8 * k));
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t) {
+      const __m256i p = _mm256_maddubs_epi16(wk, broadcast_dword(q + 32 * t + 4 * k));
+      s16[t] = k == 0 || (Mx && k == 4) ? p : add16_in_order(s16[t], p);
+    }
+    if (k == 7 || (Mx && k == 3)) {
+#pragma GCC unroll 8
+      for (int t = 0; t < NT; ++t) sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(s16[t], ones));
+    }
+  }
 }
 #include "int8_avx2_loops.h"
 #undef MOSAIC_INT8_TARGET

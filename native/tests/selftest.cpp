@@ -90,7 +90,8 @@ struct Matrix {
   std::vector<float> dequant;   // rows x cols, the reference's weights
 };
 
-Matrix random_matrix(QuantType quant, int rows, int cols) {
+// Random codes, or every code byte `fill` (fill >= 0): the int8 loops' largest sums.
+Matrix random_matrix(QuantType quant, int rows, int cols, int fill = -1) {
   Matrix m;
   const int blocks = (cols + 31) / 32;
   m.dequant.assign(static_cast<size_t>(rows) * cols, 0.f);
@@ -110,7 +111,7 @@ Matrix random_matrix(QuantType quant, int rows, int cols) {
     return m;
   }
   m.codes.resize(static_cast<size_t>(rows) * blocks * 16);
-  for (auto& c : m.codes) c = byte();
+  for (auto& c : m.codes) c = fill >= 0 ? static_cast<uint8_t>(fill) : byte();
   const bool mx = quant == QuantType::MXFP4_G32;
   m.dtype = mx ? ScaleDtype::E8M0 : ScaleDtype::F16;
   m.scales.resize(static_cast<size_t>(rows) * blocks * (mx ? 1 : 2));
@@ -144,17 +145,28 @@ void check_matvec() {
   std::vector<std::array<int, 3>> cases;
   for (auto [rows, cols] : {std::pair{1, 32}, {3, 40}, {17, 96}, {33, 257}, {130, 200}, {8, 1000}})
     for (int n : {1, 2, 3, 5, 7}) cases.push_back({rows, cols, n});
-  // prefills of whole and partial AMX tiles (16 rows, 16 tokens; 10 tokens take them)
+  // prefills of whole and partial AMX tiles (16 rows, 16 tokens; 10 tokens take them), and every remainder
+  // of the rows-in-lanes loops' token groups (12, 6 and 4)
   for (auto [rows, cols] : {std::pair{17, 96}, {33, 257}, {130, 200}})
-    for (int n : {11, 16, 19, 35}) cases.push_back({rows, cols, n});
+    for (int n : {8, 9, 10, 11, 16, 19, 35}) cases.push_back({rows, cols, n});
   cases.push_back({9, 8200, 37});
   cases.push_back({41, 8200, 11});
+  // The largest codes (Q4 0xF, MXFP4 +6, each loop's biggest unsigned code) against activations of one
+  // magnitude (int8 +-127 throughout, the sign alternating by token): sums an int16 stage would overflow
+  // if it held more than the loops allow.
+  const int n_random = static_cast<int>(cases.size());
+  for (int n : {1, 5, 13}) cases.push_back({17, 256, n});
   for (Isa isa : isas_under_test())
     for (QuantType quant : quants)
-      for (const auto& [rows, cols, n] : cases) {
-        const Matrix m = random_matrix(quant, rows, cols);
+      for (int c = 0; c < static_cast<int>(cases.size()); ++c) {
+        const auto [rows, cols, n] = cases[c];
+        const bool extreme = c >= n_random;
+        if (extreme && quant == QuantType::FP8_B128) continue;
+        const Matrix m = random_matrix(quant, rows, cols, extreme ? (quant == QuantType::Q4_G32 ? 0xFF : 0x77) : -1);
         const int ldx = cols + 3, ldy = rows + 1;  // strides past the data, as the drivers pass them
-        const std::vector<float> x = floats(static_cast<size_t>(n) * ldx);
+        std::vector<float> x = floats(static_cast<size_t>(n) * ldx);
+        if (extreme)
+          for (size_t i = 0; i < x.size(); ++i) x[i] = (i / ldx) % 2 ? -1.f : 1.f;
         std::vector<float> want(static_cast<size_t>(n) * ldy, 0.f), got(want.size(), 0.f), bound(want.size(), 1e-6f);
         MatvecArgs args{m.codes.data(), m.scales.data(), m.dtype, rows, cols, x.data(), ldx, n, want.data(), ldy};
         kernels_for(Isa::Scalar).of(quant)(args);
@@ -177,8 +189,10 @@ void check_matvec() {
             const double b = 1e-5 * abs_sum + (int8_activations(isa) ? amax_sum / 254.0 * 1.01 : 0.0) + 1e-6;
             bound[static_cast<size_t>(t) * ldy + r] = static_cast<float>(b);
           }
-        compare(got, want, bound, where(quant == QuantType::Q4_G32 ? "q4" : quant == QuantType::FP8_B128 ? "fp8" : "mxfp4",
-                                        isa, rows, cols, n));
+        const char* name = quant == QuantType::Q4_G32 ? (extreme ? "q4 largest codes" : "q4")
+                           : quant == QuantType::FP8_B128 ? "fp8"
+                                                          : (extreme ? "mxfp4 largest codes" : "mxfp4");
+        compare(got, want, bound, where(name, isa, rows, cols, n));
       }
 }
 
