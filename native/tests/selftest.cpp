@@ -196,6 +196,36 @@ void check_matvec() {
       }
 }
 
+// --- the experts' activations against float64 ----------------------------------------------------
+
+void check_activation() {
+  // every input from -100 to 100 in steps of 1/64 (past both ends of exp's clamp), with u = 1 and u = -3
+  std::vector<float> g0;
+  for (int i = -6400; i <= 6400; ++i) g0.push_back(static_cast<float>(i) / 64.f);
+  const ExpertActivation kinds[] = {ExpertActivation{}, ExpertActivation{ExpertActivation::Kind::ClampedSwiglu, 1.702f, 7.f}};
+  for (const ExpertActivation& act : kinds) {
+    const bool clamped = act.kind == ExpertActivation::Kind::ClampedSwiglu;
+    for (float uv : {1.f, -3.f}) {
+      std::vector<float> g = g0, u(g0.size(), uv);
+      apply_activation(act, g.data(), u.data(), g.size());
+      double worst = 0.0;
+      for (size_t i = 0; i < g0.size(); ++i) {
+        double x = g0[i], y = uv;
+        if (clamped) x = std::min(x, 7.0), y = std::max(-7.0, std::min(y, 7.0));
+        // exp's argument as the float product it is (its rounding is the caller's, not exp's)
+        const double arg = clamped ? -act.alpha * static_cast<float>(x) : -x;
+        const double want = clamped ? (y + 1.0) * x / (1.0 + std::exp(arg)) : x / (1.0 + std::exp(arg)) * y;
+        worst = std::max(worst, std::fabs(g[i] - want) / (std::fabs(want) * 1e-6 + 1e-30));
+      }
+      expect(worst <= 1.0, std::string(clamped ? "clamped swiglu" : "silu") + " within 1e-6 relative of float64 (worst " +
+                                std::to_string(worst) + " of it)");
+    }
+    float g[2] = {std::nanf(""), 1.f}, u[2] = {1.f, std::nanf("")};
+    apply_activation(act, g, u, 2);
+    expect(std::isnan(g[0]) && std::isnan(g[1]), std::string(clamped ? "clamped swiglu" : "silu") + " keeps NaN");
+  }
+}
+
 // --- a whole MoE layer through the driver, on 1 and 2 threads --------------------------------------
 
 void check_moe() {
@@ -441,6 +471,7 @@ int main() {
   for (Isa isa : isas_under_test()) std::printf(" %s", isa_name(isa));
   std::printf("\n");
   check_matvec();
+  check_activation();
   check_moe();
   check_linear();
   check_attention();

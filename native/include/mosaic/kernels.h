@@ -90,8 +90,8 @@ struct ExpertFormat {
                int activation, float alpha, float limit);  // throws std::invalid_argument for unknown codes
 };
 
-// g[i] = act(g[i], u[i]) for i < n, in place.
-inline void apply_activation(const ExpertActivation& act, float* g, const float* u, uint64_t n);
+// g[i] = act(g[i], u[i]) for i < n, in place (activation.cpp: the same bits on every ISA).
+void apply_activation(const ExpertActivation& act, float* g, const float* u, uint64_t n);
 
 IsaKernels scalar_kernels();
 IsaKernels avx2_kernels();
@@ -229,19 +229,6 @@ inline float mxfp4_partial_dot(const uint8_t* block, const float* x, int len) {
   float part = 0.f;
   for (int j = 0; j < len; ++j) part += kE2m1[(block[j / 2] >> (4 * (j & 1))) & 0xF] * x[j];
   return part;
-}
-
-inline void apply_activation(const ExpertActivation& act, float* g, const float* u, uint64_t n) {
-  if (act.kind == ExpertActivation::Kind::Silu) {
-    for (uint64_t i = 0; i < n; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-    return;
-  }
-  const float lim = act.limit, alpha = act.alpha;
-  for (uint64_t i = 0; i < n; ++i) {
-    const float gi = g[i] > lim ? lim : g[i];  // NaN stays NaN, as under torch.clamp
-    const float ui = u[i] < -lim ? -lim : u[i] > lim ? lim : u[i];
-    g[i] = (ui + 1.f) * (gi / (1.f + std::exp(-alpha * gi)));
-  }
 }
 
 }  // namespace mosaic
