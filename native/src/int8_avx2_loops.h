@@ -346,18 +346,25 @@ MOSAIC_INT8_TARGET inline void with_tokens(int nt, F&& f) {
   }
 }
 
-// A prefill with rows in lanes: every row tile transposed once, then run against each token group.
+// A prefill with rows in lanes: every row tile transposed once, a panel of them at a time (prefill_blocks.h),
+// then each token group run over the panel's tiles.
 template <typename Codes, typename Scale>
 MOSAIC_INT8_TARGET void lane_prefill(const MatvecArgs& a, const QuantisedX& qx, int blocks, int groups,
-                                     size_t q_stride, size_t s_stride, RowTile& tile, LaneX& lx) {
+                                     size_t q_stride, size_t s_stride, std::vector<RowTile>& tiles, LaneX& lx) {
   constexpr int group = kLaneTokens<Codes::kMx>;
   lane_x(qx, a.n, group, blocks, q_stride, s_stride, lx);
-  for (int r0 = 0; r0 < a.rows; r0 += kLaneRows) {
-    const int rows = std::min(kLaneRows, a.rows - r0);
-    row_tile_codes<Codes, Scale>(a, r0, rows, blocks, groups, tile);
+  const int panel = detail::prefill_tile_panel(static_cast<size_t>(blocks) * 8 * kLaneRows * sizeof(int32_t),
+                                               lx.q.size());
+  if (static_cast<int>(tiles.size()) < panel) tiles.resize(panel);
+  for (int p0 = 0; p0 < a.rows; p0 += panel * kLaneRows) {
+    const int p1 = std::min(a.rows, p0 + panel * kLaneRows);
+    for (int r0 = p0, i = 0; r0 < p1; r0 += kLaneRows, ++i)
+      row_tile_codes<Codes, Scale>(a, r0, std::min(kLaneRows, p1 - r0), blocks, groups, tiles[i]);
     for (int t = 0; t < a.n; t += group)
       with_tokens<group>(std::min(group, a.n - t), [&](auto tokens) MOSAIC_INT8_TARGET {
-        row_tile_tokens<decltype(tokens)::value, Codes>(tile, blocks, lx, t, r0, rows, a.y, a.ldy);
+        for (int r0 = p0, i = 0; r0 < p1; r0 += kLaneRows, ++i)
+          row_tile_tokens<decltype(tokens)::value, Codes>(tiles[i], blocks, lx, t, r0, std::min(kLaneRows, p1 - r0),
+                                                          a.y, a.ldy);
       });
   }
 }
@@ -379,14 +386,14 @@ MOSAIC_INT8_TARGET void int8_matvec(const MatvecArgs& a) {
   }
   const size_t q_stride = static_cast<size_t>(pairs) * 64, s_stride = static_cast<size_t>(groups) * kInt8Group;
   if (a.n >= kLaneMinTokens) {  // a prefill: 8 rows a vector, a row tile transposed once for every token
-    thread_local RowTile tile_buffer;
+    thread_local std::vector<RowTile> tiles_buffer;
     thread_local LaneX lx_buffer;
-    RowTile* tile = &tile_buffer;
+    std::vector<RowTile>* tiles = &tiles_buffer;
     LaneX* lx = &lx_buffer;
     // Opaque to the optimiser: knowing them for thread_locals, GCC re-derived their addresses (a call to
     // __tls_get_addr, the shared library's TLS model) at every access in the tile loop, spilling the sums.
-    __asm__("" : "+r"(tile), "+r"(lx));
-    lane_prefill<Codes, Scale>(a, qx, blocks, groups, q_stride, s_stride, *tile, *lx);
+    __asm__("" : "+r"(tiles), "+r"(lx));
+    lane_prefill<Codes, Scale>(a, qx, blocks, groups, q_stride, s_stride, *tiles, *lx);
     return;
   }
   // A short prefill: row panels in L2, token tiles in L1 (prefill_blocks.h).

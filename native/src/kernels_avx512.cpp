@@ -534,15 +534,22 @@ MOSAIC_VNNI void int8_matvec(const MatvecArgs& a) {
   const float *sx0 = qx.sx.data(), *off0 = qx.off.data();
   const size_t q_stride = static_cast<size_t>(quads) * 128, s_stride = static_cast<size_t>(groups) * kGroup;
   if (a.n >= kLaneMinTokens) {  // a prefill: 16 rows a vector, a row tile transposed once for every token
-    thread_local RowTile tile;
+    thread_local std::vector<RowTile> tiles;
     thread_local LaneX lx;
     lane_x(qx, a.n, quads, blocks, s_stride, lx);
-    for (int r0 = 0; r0 < a.rows; r0 += kLaneRows) {
-      const int rows = std::min(kLaneRows, a.rows - r0);
-      row_tile_codes<Codes>(a, r0, rows, blocks, tile);
+    // a panel of tiles at a time, each token group run over the panel's tiles (prefill_blocks.h)
+    const int panel = detail::prefill_tile_panel(static_cast<size_t>(blocks) * 8 * kLaneRows * sizeof(int32_t),
+                                                 lx.q.size());
+    if (static_cast<int>(tiles.size()) < panel) tiles.resize(panel);
+    for (int p0 = 0; p0 < a.rows; p0 += panel * kLaneRows) {
+      const int p1 = std::min(a.rows, p0 + panel * kLaneRows);
+      for (int r0 = p0, i = 0; r0 < p1; r0 += kLaneRows, ++i)
+        row_tile_codes<Codes>(a, r0, std::min(kLaneRows, p1 - r0), blocks, tiles[i]);
       for (int t = 0; t < a.n; t += kLaneTokens)
         for_lane_tokens(std::min(kLaneTokens, a.n - t), [&](auto tokens) MOSAIC_VNNI {
-          row_tile_tokens<decltype(tokens)::value>(tile, blocks, lx, t, r0, rows, a.y, a.ldy);
+          for (int r0 = p0, i = 0; r0 < p1; r0 += kLaneRows, ++i)
+            row_tile_tokens<decltype(tokens)::value>(tiles[i], blocks, lx, t, r0, std::min(kLaneRows, p1 - r0),
+                                                     a.y, a.ldy);
         });
     }
     return;

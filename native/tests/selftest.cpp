@@ -151,6 +151,7 @@ void check_matvec() {
     for (int n : {8, 9, 10, 11, 16, 19, 35}) cases.push_back({rows, cols, n});
   cases.push_back({9, 8200, 37});
   cases.push_back({41, 8200, 11});
+  cases.push_back({41, 8200, 37});  // rows-in-lanes tiles in two panels (prefill_tile_panel), the last tile short
   // The largest codes (Q4 0xF, MXFP4 +6, each loop's biggest unsigned code) against activations of one
   // magnitude (int8 +-127 throughout, the sign alternating by token): sums an int16 stage would overflow
   // if it held more than the loops allow.
