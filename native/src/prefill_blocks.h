@@ -1,5 +1,6 @@
 // How the prefill loops cut a prompt: the backbone rows (backbone_rows.h) into token blocks, the int8 expert
-// loops (int8_avx2_loops.h, kernels_avx512.cpp, kernels_neon.cpp) into row panels. Internal to native/src.
+// loops (int8_avx2_loops.h, kernels_avx512.cpp, kernels_neon.cpp) into row panels, and their rows-in-lanes
+// loops' row tiles into tile panels. Internal to native/src.
 #pragma once
 
 #include <algorithm>
