@@ -13,25 +13,6 @@ namespace mosaic {
 namespace attention {
 namespace {
 
-constexpr int kAhead = 1;  // tiles prefetched ahead (16 KB of float32 at head_dim 256)
-
-// The next tile's key and value lines, prefetched towards L1 a few at a time from inside the arithmetic
-// (step() once an inner iteration), so memory streams behind the compute. A burst of prefetches would
-// fill the core's dozen line-fill buffers and stall it, and with no prefetch the stream idles whenever
-// the loop works from L1. Prefetching past the end of the cache is harmless: prefetches never fault.
-struct Prefetcher {
-  const char* k;
-  const char* v;
-  int lines;     // 64-byte lines in one tile of K (the same of V)
-  int per_step;  // lines a step
-  int done = 0;
-  inline void step() {
-    for (int i = 0; i < per_step && done < 2 * lines; ++i, ++done)
-      _mm_prefetch(done < lines ? k + 64 * static_cast<int64_t>(done) : v + 64 * static_cast<int64_t>(done - lines),
-                   _MM_HINT_T0);
-  }
-};
-
 // Slices 2i and 2i+1 (16 floats each) of a cached row, in the kernel's order.
 // float32: the row's values 32i..32i+15 and 32i+16..32i+31, in place.
 // bf16: one 64-byte load of 32 values. A bf16 is a float's top half, so the even-indexed values are the
@@ -136,7 +117,7 @@ MOSAIC_AVX512 void task(const float* q, int rep, int d, const T* k, const T* v, 
   const int blocks = (rep + 3) / 4;
   const int steps = blocks * (kTile / 4) * (nv / 2) + blocks * ((nv + 3) / 4) * kTile;  // a full tile's
   const int per_step = (2 * tile_lines + steps - 1) / steps;
-  const int64_t ahead = static_cast<int64_t>(kAhead) * kTile * d;  // elements
+  const int64_t ahead = static_cast<int64_t>(kTile) * d;  // elements: the next tile (16 KB of float32 at head_dim 256)
   alignas(64) float probs[kMaxRep][kTile];
   alignas(64) __m512 a[4 * kTile];  // one head block's lane-partial scores
   SoftmaxState sm;

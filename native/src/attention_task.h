@@ -15,8 +15,30 @@ constexpr int kTile = 16;    // keys whose scores are exponentiated together (on
 constexpr int kMaxDim = 512;  // the widest head the AVX-512 tasks take
 constexpr int kMaxRep = 64;   // the most query heads a KV head they take
 
+// A task with an online softmax (the AVX-512 and AVX2 tasks) moves its reference max only when a score
+// exceeds it by more than this, so most tiles need no max reduction and no rescaling of the outputs;
+// probabilities stay below e^8 (about 3000) before the final normalisation.
+constexpr float kSlack = 8.f;
+
 struct Partial {  // one task's state for one query head: its probabilities' sum, relative to e^ref
   float ref, sum;
+};
+
+// The next tile's key and value lines, prefetched towards L1 a few at a time from inside the arithmetic
+// (step() once an inner iteration), so memory streams behind the compute. A burst of prefetches would
+// fill the core's dozen line-fill buffers and stall it, and with no prefetch the stream idles whenever
+// the loop works from L1. Prefetching past the end of the cache is harmless: prefetches never fault.
+struct Prefetcher {
+  const char* k;
+  const char* v;
+  int lines;     // 64-byte lines in one tile of K (the same of V)
+  int per_step;  // lines a step
+  int done = 0;
+  inline void step() {
+    for (int i = 0; i < per_step && done < 2 * lines; ++i, ++done)
+      __builtin_prefetch(done < lines ? k + 64 * static_cast<int64_t>(done)
+                                      : v + 64 * static_cast<int64_t>(done - lines), 0, 3);  // prefetcht0
+  }
 };
 
 struct RowScales {  // an int8 cache's per-row scales for one KV head (position j at k[j], v[j]); else null
@@ -24,7 +46,7 @@ struct RowScales {  // an int8 cache's per-row scales for one KV head (position 
   const float* v = nullptr;
 };
 
-// The softmax of a task that scores all its keys first (the AVX2 and NEON tasks): each of the rep rows of n
+// The softmax of a task that scores all its keys first (the NEON task): each of the rep rows of n
 // scores becomes its probabilities relative to the row's max, times the value rows' scales when vscale is
 // given (position j at vscale[j]), and part[r] its max and sum.
 inline void softmax_rows(float* scores, int rep, int n, const float* vscale, Partial* part) {
@@ -53,7 +75,8 @@ void task_avx512(const float* q, int rep, int d, const uint16_t* k, const uint16
                  float* o, Partial* part);
 void task_avx512(const float* q, int rep, int d, const int8_t* k, const int8_t* v, RowScales rs, int k0, int k1,
                  float* o, Partial* part);
-// AVX2 (attention_avx2.cpp) and NEON (attention_neon.cpp): head_dim a multiple of 8, elements in place.
+// AVX2 (attention_avx2.cpp) and NEON (attention_neon.cpp): head_dim a multiple of 8, elements in place; AVX2's
+// rep at most kMaxRep.
 void task_avx2(const float* q, int rep, int d, const float* k, const float* v, RowScales rs, int k0, int k1,
                float* o, Partial* part);
 void task_avx2(const float* q, int rep, int d, const uint16_t* k, const uint16_t* v, RowScales rs, int k0, int k1,

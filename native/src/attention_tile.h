@@ -14,11 +14,6 @@
 namespace mosaic {
 namespace attention {
 
-// A task's reference max moves only when a score exceeds it by more than this, so most tiles need no
-// max reduction and no rescaling of the outputs; probabilities stay below e^8 (about 3000) before the
-// final normalisation.
-constexpr float kSlack = 8.f;
-
 // exp(x) for x <= kSlack (scores minus their reference max), to about 2 ulp: x = n ln2 + r, |r| <= ln2/2,
 // a degree-6 polynomial for e^r, then scaled by 2^n. Below -87 the result is 0 (a masked key's score is -inf).
 MOSAIC_AVX512 inline __m512 exp_scores(__m512 x) {
