@@ -61,7 +61,8 @@ def main() -> None:
                             best[i] = min(best[i], time.perf_counter() - t)
                     cells = " | ".join(f"{b * 1e3:.3f} | {(k.nbytes + v.nbytes) / b / 1e9:.1f}" for b in best)
                     ratios = "".join(f" | {b / best[0]:.2f}x" for b in best[1:])
-                    print(f"| {heads} / {kv_heads} x {dim} ({geometry}) | {dtype} | {length} | {threads} | {cells}{ratios} |")
+                    row = f"{heads} / {kv_heads} x {dim} ({geometry}) | {dtype} | {length} | {threads}"
+                    print(f"| {row} | {cells}{ratios} |")
 
 
 if __name__ == "__main__":

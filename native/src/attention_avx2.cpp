@@ -88,12 +88,12 @@ MOSAIC_AVX2 inline void score_block(const float* q, int d, const T* const* krow,
 
 // The scores of a head block of HB over one tile of n keys (kt: its first row): KB keys at a time, rows
 // past the tile's end repeating its last row (read in bounds, masked out of the softmax by the caller).
-template <int HB>
-constexpr int kKeyBlock = HB == 1 ? 8 : HB == 2 ? 4 : 2;  // keys a score_block: HB * KB accumulators, at most 8
+// Keys a score_block takes for a head block of hb: hb times that many accumulators, at most 8.
+constexpr int key_block(int hb) { return hb == 1 ? 8 : hb == 2 ? 4 : 2; }
 
 template <int HB, typename T>
 MOSAIC_AVX2 inline void score_tile(const float* q, int d, const T* kt, int n, __m256* a, Prefetcher& pf) {
-  constexpr int KB = kKeyBlock<HB>;
+  constexpr int KB = key_block(HB);
   for (int j = 0; j < kTile8; j += KB) {
     const T* krow[KB];
     for (int jj = 0; jj < KB; ++jj) krow[jj] = kt + static_cast<int64_t>(std::min(j + jj, n - 1)) * d;
@@ -158,7 +158,7 @@ MOSAIC_AVX2 void task(const float* q, int rep, int d, const T* k, const T* v, Ro
   int steps = 0;
   for (int r0 = 0; r0 < rep; r0 += 4) {
     const int hb = std::min(4, rep - r0);
-    steps += kTile8 / (hb == 1 ? kKeyBlock<1> : hb == 2 ? kKeyBlock<2> : kKeyBlock<4>) * (d / 8) + (d + 15) / 16 * kTile8;
+    steps += kTile8 / key_block(hb) * (d / 8) + (d + 15) / 16 * kTile8;  // score_block's slices, value_block's rows
   }
   const int per_step = (2 * tile_lines + steps - 1) / steps;
   for (int j0 = k0; j0 < k1; j0 += kTile8) {
