@@ -6,8 +6,8 @@
 // merged in ascending order: the result depends on the length only, never on the thread count.
 // Caches: float32, bf16, or int8 with a float32 scale per row (key or value = code * scale); under an ISA
 // with AVX-512 VNNI (Avx512Vnni, Amx) an int8 cache takes the integer task of attention_i8.cpp instead. AVX2
-// CPUs take the AVX-512 task's plan at eight lanes, NEON CPUs a simpler task, in the same chunks. The tasks are per ISA (attention_task.h); this file holds the
-// driver, the scalar task (the reference) and the merge.
+// and NEON CPUs take the AVX-512 task's plan at eight and four lanes, in the same chunks. The tasks are per
+// ISA (attention_task.h); this file holds the driver, the scalar task (the reference) and the merge.
 #include <omp.h>
 
 #include <algorithm>
@@ -68,7 +68,7 @@ void attend(const float* q, int heads, int head_dim, const T* k, const T* v, int
                     rep <= kMaxRep;
   // the AVX2 task also serves AVX-512 CPUs for the head sizes the wide task does not take
   [[maybe_unused]] const bool avx2 = !wide && vector_isa(isa) != Isa::Scalar && d % 8 == 0 && rep <= kMaxRep;
-  [[maybe_unused]] const bool neon = vector_isa(isa) == Isa::Neon && d % 8 == 0;              // task_neon
+  [[maybe_unused]] const bool neon = vector_isa(isa) == Isa::Neon && d % 8 == 0 && rep <= kMaxRep;
   const bool integer = int8 && wide && has_avx512_vnni(isa);  // task_i8_vnni
   // Where the AVX-512 loops keep element i of a query or output row: bf16 rows go as evens then odds
   // inside each block of 32 (load_pair); the integer int8 task's outputs in i8_order; otherwise in place.

@@ -1,11 +1,8 @@
-// What the decode-attention driver (attention.cpp) and its per-ISA tasks share: the chunking, a task's
-// partial result, and the tasks' entry points. Internal to native/src.
+// What the decode-attention driver (attention.cpp) and its per-ISA tasks share: the chunking, the online
+// softmax's slack, the prefetcher, a task's partial result, and the tasks' entry points. Internal to native/src.
 #pragma once
 
-#include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <limits>
 
 namespace mosaic {
 namespace attention {
@@ -46,24 +43,6 @@ struct RowScales {  // an int8 cache's per-row scales for one KV head (position 
   const float* v = nullptr;
 };
 
-// The softmax of a task that scores all its keys first (the NEON task): each of the rep rows of n
-// scores becomes its probabilities relative to the row's max, times the value rows' scales when vscale is
-// given (position j at vscale[j]), and part[r] its max and sum.
-inline void softmax_rows(float* scores, int rep, int n, const float* vscale, Partial* part) {
-  for (int r = 0; r < rep; ++r) {
-    float* sr = scores + static_cast<int64_t>(r) * n;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int j = 0; j < n; ++j) m = std::max(m, sr[j]);
-    float l = 0.f;
-    for (int j = 0; j < n; ++j) {
-      const float p = std::exp(sr[j] - m);
-      l += p;
-      sr[j] = vscale ? p * vscale[j] : p;
-    }
-    part[r] = {m, l};
-  }
-}
-
 // One task: rep query heads (q, rep x d, already times the attention scale, in the task's element order)
 // over keys [k0, k1) of one KV head (k and v: that head's rows, d elements each; int8 rows times rs).
 // Leaves unnormalised outputs in o (rep x d, the same order) and each head's max and sum in part.
@@ -75,8 +54,8 @@ void task_avx512(const float* q, int rep, int d, const uint16_t* k, const uint16
                  float* o, Partial* part);
 void task_avx512(const float* q, int rep, int d, const int8_t* k, const int8_t* v, RowScales rs, int k0, int k1,
                  float* o, Partial* part);
-// AVX2 (attention_avx2.cpp) and NEON (attention_neon.cpp): head_dim a multiple of 8, elements in place; AVX2's
-// rep at most kMaxRep.
+// AVX2 (attention_avx2.cpp) and NEON (attention_neon.cpp): head_dim a multiple of 8, elements in place, rep at
+// most kMaxRep.
 void task_avx2(const float* q, int rep, int d, const float* k, const float* v, RowScales rs, int k0, int k1,
                float* o, Partial* part);
 void task_avx2(const float* q, int rep, int d, const uint16_t* k, const uint16_t* v, RowScales rs, int k0, int k1,
