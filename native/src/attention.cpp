@@ -61,15 +61,17 @@ void attend(const float* q, int heads, int head_dim, const T* k, const T* v, int
             int kv_heads, int length, float scale, float* out, int threads, Isa isa, const float* sinks) {
   const int rep = heads / kv_heads, d = head_dim;
   const int chunks = std::max(1, (length + kChunk - 1) / kChunk);
-  const int tasks = kv_heads * chunks;
+  // A KV head's query heads go to a task kMaxRep or fewer at a time (latent attention has 128 on one):
+  // `sub` tasks of up to `per` heads each, every one reading the chunk's keys and values.
+  const int sub = (rep + kMaxRep - 1) / kMaxRep, per = (rep + sub - 1) / sub;
+  const int tasks = kv_heads * sub * chunks;
   constexpr bool bf16 = std::is_same<T, uint16_t>::value, int8 = std::is_same<T, int8_t>::value;
   // bf16 and int8 rows are loaded 32 values at a time (load_pair, attention_i8.cpp)
-  const bool wide = vector_isa(isa) == Isa::Avx512 && d % (int8 || bf16 ? 32 : 16) == 0 && d <= kMaxDim &&
-                    rep <= kMaxRep;
+  const bool wide = vector_isa(isa) == Isa::Avx512 && d % (int8 || bf16 ? 32 : 16) == 0;
   // the AVX2 task also serves AVX-512 CPUs for the head sizes the wide task does not take
-  [[maybe_unused]] const bool avx2 = !wide && vector_isa(isa) != Isa::Scalar && d % 8 == 0 && rep <= kMaxRep;
-  [[maybe_unused]] const bool neon = vector_isa(isa) == Isa::Neon && d % 8 == 0 && rep <= kMaxRep;
-  const bool integer = int8 && wide && has_avx512_vnni(isa);  // task_i8_vnni
+  [[maybe_unused]] const bool avx2 = !wide && vector_isa(isa) != Isa::Scalar && d % 8 == 0;  // task_avx2
+  [[maybe_unused]] const bool neon = vector_isa(isa) == Isa::Neon && d % 8 == 0;              // task_neon
+  const bool integer = int8 && wide && has_avx512_vnni(isa) && d <= kMaxDim;  // task_i8_vnni
   // Where the AVX-512 loops keep element i of a query or output row: bf16 rows go as evens then odds
   // inside each block of 32 (load_pair); the integer int8 task's outputs in i8_order; otherwise in place.
   const bool split = bf16 && wide;
@@ -96,17 +98,19 @@ void attend(const float* q, int heads, int head_dim, const T* k, const T* v, int
   }
   [[maybe_unused]] const int16_t* q16 = q16_buf.data();  // the integer task's (x86 only)
   const float* qf = q_buf.data();
-  o_buf.resize(static_cast<size_t>(tasks) * rep * d);
-  part_buf.resize(static_cast<size_t>(tasks) * rep);
+  o_buf.resize(static_cast<size_t>(tasks) * per * d);
+  part_buf.resize(static_cast<size_t>(tasks) * per);
   float* o_all = o_buf.data();
   Partial* part_all = part_buf.data();
 #pragma omp parallel for num_threads(std::min(threads, tasks)) schedule(static)
   for (int t = 0; t < tasks; ++t) {
-    const int g = t / chunks, c = t % chunks;
+    const int g = t / (sub * chunks), r0 = (t / chunks) % sub * per, c = t % chunks;
+    const int n = std::min(per, rep - r0);  // this task's query heads: r0.. of KV head g
     const int k0 = c * kChunk, k1 = std::min(length, k0 + kChunk);
-    const float* qg = qf + static_cast<int64_t>(g) * rep * d;
-    float* o = o_all + static_cast<int64_t>(t) * rep * d;
-    Partial* part = part_all + static_cast<int64_t>(t) * rep;
+    const int64_t h0 = static_cast<int64_t>(g) * rep + r0;  // its first query head
+    const float* qg = qf + h0 * d;
+    float* o = o_all + static_cast<int64_t>(t) * per * d;
+    Partial* part = part_all + static_cast<int64_t>(t) * per;
     const T* kg = k + g * k_head_stride;
     const T* vg = v + g * v_head_stride;
     const RowScales rs{k_scale ? k_scale + g * scale_head_stride : nullptr,
@@ -114,41 +118,42 @@ void attend(const float* q, int heads, int head_dim, const T* k, const T* v, int
 #if defined(MOSAIC_X86)
     if constexpr (int8) {
       if (integer) {
-        task_i8_vnni(q16 + static_cast<int64_t>(g) * rep * d, qf + g * rep, rep, d, kg, vg, rs, k0, k1, o, part);
+        task_i8_vnni(q16 + h0 * d, qf + h0, n, d, kg, vg, rs, k0, k1, o, part);
         continue;
       }
     }
     if (wide) {
-      task_avx512(qg, rep, d, kg, vg, rs, k0, k1, o, part);
+      task_avx512(qg, n, d, kg, vg, rs, k0, k1, o, part);
       continue;
     }
     if (avx2) {
-      task_avx2(qg, rep, d, kg, vg, rs, k0, k1, o, part);
+      task_avx2(qg, n, d, kg, vg, rs, k0, k1, o, part);
       continue;
     }
 #elif defined(MOSAIC_ARM)
     if (neon) {
-      task_neon(qg, rep, d, kg, vg, rs, k0, k1, o, part);
+      task_neon(qg, n, d, kg, vg, rs, k0, k1, o, part);
       continue;
     }
 #endif
-    task_scalar(qg, rep, d, kg, vg, rs, k0, k1, o, part);
+    task_scalar(qg, n, d, kg, vg, rs, k0, k1, o, part);
   }
   // Merge each query head's chunks in ascending order, in the kernel's element order (a loop that
   // vectorizes), then put the elements back in place. A sink is one more logit in the denominator.
   const int rows = kv_heads * rep;
 #pragma omp parallel for num_threads(std::min(threads, rows)) schedule(static)
   for (int row = 0; row < rows; ++row) {
-    const int g = row / rep, r = row % rep;
+    const int g = row / rep, s = row % rep / per, r = row % rep % per;  // head r of task group (g, s)
+    const int t0 = (g * sub + s) * chunks;                                // its chunks' tasks: t0..
     float m = sinks ? sinks[row] : -std::numeric_limits<float>::infinity();
-    for (int c = 0; c < chunks; ++c) m = std::max(m, part_all[(g * chunks + c) * rep + r].ref);
+    for (int c = 0; c < chunks; ++c) m = std::max(m, part_all[(t0 + c) * per + r].ref);
     std::vector<float> acc(d, 0.f);
     float l = sinks ? std::exp(sinks[row] - m) : 0.f;
     for (int c = 0; c < chunks; ++c) {
-      const int t = g * chunks + c;
-      const float w = std::exp(part_all[t * rep + r].ref - m);
-      l += part_all[t * rep + r].sum * w;
-      const float* o = o_all + (static_cast<int64_t>(t) * rep + r) * d;
+      const int t = t0 + c;
+      const float w = std::exp(part_all[t * per + r].ref - m);
+      l += part_all[t * per + r].sum * w;
+      const float* o = o_all + (static_cast<int64_t>(t) * per + r) * d;
       for (int i = 0; i < d; ++i) acc[i] += o[i] * w;
     }
     const float inv = 1.f / l;

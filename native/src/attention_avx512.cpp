@@ -102,7 +102,7 @@ MOSAIC_AVX512 inline void value_rows(float* o, int d, int nv, const float (*p)[k
     if (i < nv) value_block<HB, 1, T>(o, d, i, p, vt, n, pf);
 }
 
-// One task, AVX-512, head_dim a multiple of 16 (of 32 for bf16 and int8) and at most kMaxDim: rep query
+// One task, AVX-512, head_dim a multiple of 16 (of 32 for bf16 and int8): rep (at most kMaxRep) query
 // heads (q, rep x d, in the kernel's order) over keys [k0, k1) of one KV head. Leaves unnormalised outputs
 // in o (rep x d, the kernel's order) and max/sum in part. NV = d / 16 when known at compile time, else 0.
 template <int NV, typename T>

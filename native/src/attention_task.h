@@ -9,10 +9,10 @@ namespace attention {
 
 constexpr int kChunk = 512;  // keys per task: 2 x 512 KB of f32 K and V at head_dim 256
 constexpr int kTile = 16;    // keys whose scores are exponentiated together (one zmm)
-constexpr int kMaxDim = 512;  // the widest head the AVX-512 tasks take
-constexpr int kMaxRep = 64;   // the most query heads a KV head they take
+constexpr int kMaxDim = 512;  // the widest head the integer task takes: its int32 sums of 16 x 8-bit products
+constexpr int kMaxRep = 64;   // the most query heads a task takes (the driver splits larger groups)
 
-// A task with an online softmax (the AVX-512 and AVX2 tasks) moves its reference max only when a score
+// A task with an online softmax (the AVX-512, AVX2 and NEON tasks) moves its reference max only when a score
 // exceeds it by more than this, so most tiles need no max reduction and no rescaling of the outputs;
 // probabilities stay below e^8 (about 3000) before the final normalisation.
 constexpr float kSlack = 8.f;
@@ -43,19 +43,18 @@ struct RowScales {  // an int8 cache's per-row scales for one KV head (position 
   const float* v = nullptr;
 };
 
-// One task: rep query heads (q, rep x d, already times the attention scale, in the task's element order)
-// over keys [k0, k1) of one KV head (k and v: that head's rows, d elements each; int8 rows times rs).
-// Leaves unnormalised outputs in o (rep x d, the same order) and each head's max and sum in part.
-// AVX-512 (attention_avx512.cpp): head_dim a multiple of 16 (of 32 for bf16 and int8), at most kMaxDim,
-// rep at most kMaxRep; bf16 rows in the evens-then-odds order of each block of 32 (split_order).
+// One task: rep query heads (at most kMaxRep; q, rep x d, already times the attention scale, in the task's
+// element order) over keys [k0, k1) of one KV head (k and v: that head's rows, d elements each; int8 rows
+// times rs). Leaves unnormalised outputs in o (rep x d, the same order) and each head's max and sum in part.
+// AVX-512 (attention_avx512.cpp): head_dim a multiple of 16 (of 32 for bf16 and int8); bf16 rows in the
+// evens-then-odds order of each block of 32 (split_order).
 void task_avx512(const float* q, int rep, int d, const float* k, const float* v, RowScales rs, int k0, int k1,
                  float* o, Partial* part);
 void task_avx512(const float* q, int rep, int d, const uint16_t* k, const uint16_t* v, RowScales rs, int k0, int k1,
                  float* o, Partial* part);
 void task_avx512(const float* q, int rep, int d, const int8_t* k, const int8_t* v, RowScales rs, int k0, int k1,
                  float* o, Partial* part);
-// AVX2 (attention_avx2.cpp) and NEON (attention_neon.cpp): head_dim a multiple of 8, elements in place, rep at
-// most kMaxRep.
+// AVX2 (attention_avx2.cpp) and NEON (attention_neon.cpp): head_dim a multiple of 8, elements in place.
 void task_avx2(const float* q, int rep, int d, const float* k, const float* v, RowScales rs, int k0, int k1,
                float* o, Partial* part);
 void task_avx2(const float* q, int rep, int d, const uint16_t* k, const uint16_t* v, RowScales rs, int k0, int k1,

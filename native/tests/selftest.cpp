@@ -330,7 +330,8 @@ void check_attention() {
     bool sinks;
   };
   const Case cases[] = {{1, 1, 8, 1, false}, {4, 2, 24, 17, true}, {8, 2, 64, 600, false},
-                        {6, 3, 128, 33, true}, {4, 1, 80, 515, false}, {2, 2, 36, 5, false}};
+                        {6, 3, 128, 33, true}, {4, 1, 80, 515, false}, {2, 2, 36, 5, false},
+                        {130, 2, 32, 21, true}};  // more query heads a KV head (65) than a task takes
   for (Isa isa : isas_under_test())
     for (const Case& c : cases) {
       const int64_t stride = static_cast<int64_t>(c.length + 3) * c.dim;  // head rows apart, as a paged cache's
