@@ -3,7 +3,8 @@
     python benchmarks/attention_bench.py [--isa avx2,avx512] [--threads 1,2] [--lengths 600,4096,16384]
 
 For each head shape of a supported geometry (Qwen3-30B-A3B: 32 query / 4 KV heads of 128; Qwen3.5-35B-A3B's
-attention layers: 16 / 2 of 256) and cache dtype (float32, the default; bf16), prints the best of --reps calls
+attention layers: 16 / 2 of 256; DeepSeek-V3 and Kimi-K2's latent attention: 128 heads over one latent head of
+576, keys and values the same rows) and cache dtype (float32, the default; bf16), prints the best of --reps calls
 of `_native.kernels.decode_attention` in milliseconds per ISA, the K and V bytes read over that time, and each
 ISA's time against the first's. ISAs alternate call by call, so the machine's drift falls on all alike. At
 16k positions a layer's K and V (64 MB of float32 for Qwen3-30B) come from memory; at 600 they sit in cache.
@@ -23,7 +24,9 @@ from benchmarks.matvec_bench import isas_of  # noqa: E402
 from mosaic_runtime import _native  # noqa: E402
 
 K = _native.kernels
-HEADS = [("Qwen3-30B-A3B", 32, 4, 128), ("Qwen3.5-35B-A3B", 16, 2, 256)]  # (geometry, query heads, KV heads, dim)
+# (geometry, query heads, KV heads, dim, keys and values shared)
+HEADS = [("Qwen3-30B-A3B", 32, 4, 128, False), ("Qwen3.5-35B-A3B", 16, 2, 256, False),
+         ("DeepSeek-V3", 128, 1, 576, True)]
 
 
 def cache(rng: np.random.Generator, kv_heads: int, length: int, dim: int, dtype: str) -> np.ndarray:
@@ -45,12 +48,14 @@ def main() -> None:
           + " | ".join(f"{n} ms | {n} GB/s" for n in names) + "".join(f" | {n} / {names[0]}" for n in names[1:]) + " |")
     print("|---|---|---|---" + "|---|---" * len(names) + "|---" * (len(names) - 1) + "|")
     rng = np.random.default_rng(0)
-    for geometry, heads, kv_heads, dim in HEADS:
+    for geometry, heads, kv_heads, dim, shared in HEADS:
         for dtype in ("float32", "bf16"):
             fn = K.decode_attention if dtype == "float32" else K.decode_attention_bf16
             for length in (int(n) for n in args.lengths.split(",")):
                 q = rng.standard_normal((heads, dim), dtype=np.float32)
-                k, v = cache(rng, kv_heads, length, dim, dtype), cache(rng, kv_heads, length, dim, dtype)
+                k = cache(rng, kv_heads, length, dim, dtype)
+                v = k if shared else cache(rng, kv_heads, length, dim, dtype)
+                nbytes = k.nbytes if shared else k.nbytes + v.nbytes
                 out = np.empty((heads, dim), np.float32)
                 for threads in (int(t) for t in args.threads.split(",")):
                     best = [float("inf")] * len(isas)
@@ -59,7 +64,7 @@ def main() -> None:
                             t = time.perf_counter()
                             fn(isa, threads, q, k, v, dim ** -0.5, out)
                             best[i] = min(best[i], time.perf_counter() - t)
-                    cells = " | ".join(f"{b * 1e3:.3f} | {(k.nbytes + v.nbytes) / b / 1e9:.1f}" for b in best)
+                    cells = " | ".join(f"{b * 1e3:.3f} | {nbytes / b / 1e9:.1f}" for b in best)
                     ratios = "".join(f" | {b / best[0]:.2f}x" for b in best[1:])
                     row = f"{heads} / {kv_heads} x {dim} ({geometry}) | {dtype} | {length} | {threads}"
                     print(f"| {row} | {cells}{ratios} |")
