@@ -9,7 +9,7 @@ namespace attention {
 
 constexpr int kChunk = 512;  // keys per task: 2 x 512 KB of f32 K and V at head_dim 256
 constexpr int kTile = 16;    // keys whose scores are exponentiated together (one zmm)
-constexpr int kMaxDim = 512;  // the widest head the integer task takes: its int32 sums of 16 x 8-bit products
+constexpr int kMaxDim = 512;  // the widest head the integer task takes: its int32 sums of 16-bit x 8-bit products
 constexpr int kMaxRep = 64;   // the most query heads a task takes (the driver splits larger groups)
 
 // A task with an online softmax (the AVX-512, AVX2 and NEON tasks) moves its reference max only when a score
