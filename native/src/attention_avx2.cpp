@@ -28,23 +28,16 @@ MOSAIC_AVX2 inline __m256 widen8(const int8_t* p) {  // codes; their row's scale
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-// exp(x) for x <= kSlack, attention_tile.h's polynomial at eight lanes: x = n ln2 + r, |r| <= ln2/2, a
-// degree-6 polynomial for e^r, times 2^n built in the exponent field (n >= -126 here, a normal float).
-// Below -87 the result is 0 (a masked key's score is -inf).
+// exp(x) for x <= kSlack, attention_task.h's polynomial at eight lanes, times 2^n built in the exponent field
+// (n >= -126 here, a normal float).
 MOSAIC_AVX2 inline __m256 exp8(__m256 x) {
-  const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_LT_OQ);
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);  // ln2 split in two for accuracy
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(kExpFloor), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(kExpFloor));
+  const __m256 n =
+      _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x));
+  __m256 p = _mm256_set1_ps(kExpTerms[0]);
+  for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpTerms[i]));
   const __m256 two_n =
       _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
   return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, two_n));

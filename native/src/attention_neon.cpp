@@ -25,22 +25,15 @@ inline void widen8(const float* p, float32x4_t& lo, float32x4_t& hi) {
 inline void widen8(const uint16_t* p, float32x4_t& lo, float32x4_t& hi) { neon::widen_bf16(p, lo, hi); }
 inline void widen8(const int8_t* p, float32x4_t& lo, float32x4_t& hi) { neon::widen_i8(vld1_s8(p), lo, hi); }
 
-// exp(x) for x <= kSlack, attention_tile.h's polynomial at four lanes: x = n ln2 + r, |r| <= ln2/2, a degree-6
-// polynomial for e^r, times 2^n built in the exponent field (n >= -126 here, a normal float). Below -87 the
-// result is 0 (a masked key's score is -inf).
+// exp(x) for x <= kSlack, attention_task.h's polynomial at four lanes, times 2^n built in the exponent field
+// (n >= -126 here, a normal float).
 inline float32x4_t exp4(float32x4_t x) {
-  const uint32x4_t tiny = vcltq_f32(x, vdupq_n_f32(-87.f));
-  x = vmaxq_f32(x, vdupq_n_f32(-87.f));
-  const float32x4_t n = vrndnq_f32(vmulq_n_f32(x, 1.44269504088896341f));
-  float32x4_t r = vfmsq_f32(x, n, vdupq_n_f32(0.693145751953125f));  // ln2 split in two for accuracy
-  r = vfmsq_f32(r, n, vdupq_n_f32(1.428606765330187045e-06f));
-  float32x4_t p = vdupq_n_f32(1.0f / 720);
-  p = vfmaq_f32(vdupq_n_f32(1.0f / 120), p, r);
-  p = vfmaq_f32(vdupq_n_f32(1.0f / 24), p, r);
-  p = vfmaq_f32(vdupq_n_f32(1.0f / 6), p, r);
-  p = vfmaq_f32(vdupq_n_f32(0.5f), p, r);
-  p = vfmaq_f32(vdupq_n_f32(1.0f), p, r);
-  p = vfmaq_f32(vdupq_n_f32(1.0f), p, r);
+  const uint32x4_t tiny = vcltq_f32(x, vdupq_n_f32(kExpFloor));
+  x = vmaxq_f32(x, vdupq_n_f32(kExpFloor));
+  const float32x4_t n = vrndnq_f32(vmulq_n_f32(x, kLog2e));
+  const float32x4_t r = vfmsq_f32(vfmsq_f32(x, n, vdupq_n_f32(kLn2Hi)), n, vdupq_n_f32(kLn2Lo));
+  float32x4_t p = vdupq_n_f32(kExpTerms[0]);
+  for (int i = 1; i < 7; ++i) p = vfmaq_f32(vdupq_n_f32(kExpTerms[i]), p, r);
   const float32x4_t two_n =
       vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23));
   return vreinterpretq_f32_u32(vbicq_u32(vreinterpretq_u32_f32(vmulq_f32(p, two_n)), tiny));

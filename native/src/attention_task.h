@@ -17,6 +17,14 @@ constexpr int kMaxRep = 64;   // the most query heads a task takes (the driver s
 // probabilities stay below e^8 (about 3000) before the final normalisation.
 constexpr float kSlack = 8.f;
 
+// The score exponential of the online-softmax tasks (exp_scores, exp8, exp4), one set of constants for every
+// width: x = n ln2 + r, |r| <= ln2/2, with ln2 split in two for accuracy; e^r by its Taylor polynomial of
+// degree 6 (Horner, highest term first), about 2 ulp; e^x taken as 0 below kExpFloor (a masked key's -inf).
+constexpr float kExpFloor = -87.f;
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693145751953125f, kLn2Lo = 1.428606765330187045e-06f;
+constexpr float kExpTerms[7] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+
 struct Partial {  // one task's state for one query head: its probabilities' sum, relative to e^ref
   float ref, sum;
 };
