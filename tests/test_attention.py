@@ -22,11 +22,12 @@ def float_atol(d: int) -> float:
     result is 3e-6 from float64's, the scalar loop's 5e-6)."""
     return ATOL if d <= 256 else ATOL * d / 128
 
+
 # (query heads, KV heads, head_dim, keys): head_dim 40 takes the AVX2 loop under every x86 ISA; 80 and 112 the
 # AVX-512 loop with a run-time width and an odd last slice for float32 (bf16 rows of those widths take the AVX2
 # loop), 96 a run-time width for both; 64/128/256 the unrolled ones; 576 (latent attention's 512 + 64, 128 heads
-# on one KV head) is wider than the AVX-512 loop takes. Lengths around the 16-key tile and the 512-key chunk; 1
-# to 16 query heads a KV head, so every size of the last head block (1-4), and 128.
+# on one KV head: two tasks of 64) a run-time width wider than the integer int8 loop takes. Lengths around the
+# 16-key tile and the 512-key chunk; 1 to 16 query heads a KV head, so every size of the last head block (1-4).
 SHAPES = [(1, 1, 40, 1), (4, 2, 40, 37), (8, 2, 64, 1), (8, 2, 64, 15), (8, 2, 64, 16), (8, 2, 64, 17),
           (6, 3, 80, 513), (32, 4, 128, 511), (32, 4, 128, 512), (16, 2, 256, 1100), (16, 1, 128, 700),
           (64, 4, 128, 300), (2, 2, 256, 33), (3, 1, 64, 45), (5, 1, 128, 530), (6, 1, 96, 100),
