@@ -22,6 +22,7 @@ from .experts import NativeExperts, TorchExperts
 from .generate import Detokenizer, StopText, TextCodec, sample
 from .kv_cache import KV_DTYPES
 from .models import build_model, model_recipe, prepare_tensors
+from .models.lookahead import RouterLookahead
 from .models.state import SequenceState
 from .limits import MemoryLimit, memory_limit
 from .ops import using_threads
@@ -167,7 +168,7 @@ class Engine:
              max_seq: int = 4096, precision: str = "fast", kernel: str | None = None, backbone: str | None = None,
              device: str | None = None, vram_budget: int | None = None, tier_policy: str = DEFAULT_TIER_POLICY,
              kv_dtype: str = "float32", preload: bool = True, watch_memory: bool = True,
-             verbose: bool = False) -> "Engine":
+             router_lookahead: bool = False, verbose: bool = False) -> "Engine":
         """Open a model directory written by `mosaic-shatter convert`.
 
         Args:
@@ -209,6 +210,11 @@ class Engine:
                 falls below half the margin the ring was sized with, stop preload and give ring slots back to
                 the system, those the policy would evict first; take them again when memory returns (cache/pressure.py).
                 Checked between tokens, and every CHECK_EVERY_S while the engine is idle. Speed only.
+            router_lookahead: when the ring cannot hold every record, a decode step also reads ahead the
+                experts the next MoE layer's router names from this layer's input (models/lookahead.py),
+                weighed by how often that guess has been right. It raises the hit rate by reading more;
+                off by default because on a disk-bound two-core machine reading more cost more than the
+                waits it saved (benchmarks/RESULTS.md). Speed only; the native decode step (CPU) only.
             verbose: print notices (such as a Direct-I/O fallback) to stderr.
         Raises:
             VaultError: the directory is not a complete, valid vault.
@@ -264,6 +270,8 @@ class Engine:
         # On CUDA the model's own tensors (RoPE tables, KV pool, recurrent state) are made on the device.
         with torch.device(dev) if on_cuda else contextlib.nullcontext():
             model = build_model(recipe, weights, experts, max_seq, kv_torch_dtype)
+        if router_lookahead and model.native is not None:
+            model.native.lookahead = RouterLookahead(model)
         engine = cls(directory, vault, store, model, None, dev if on_cuda else None,
                      dict(precision=precision, kernel=kernel, backbone=backbone, kv_dtype=kv_dtype, threads=threads))
         engine.memory_limit = memory

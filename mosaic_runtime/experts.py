@@ -19,6 +19,7 @@ from .vault.format import RecordLayout
 
 ExpertWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # gate [I, H], up [I, H], down [H, I]
 ExpertBiases = dict[str, torch.Tensor]  # projection -> float32 [rows]
+Guess = Callable[[], "list[int] | None"]  # the router lookahead's guess at the next MoE layer's experts
 
 
 class ExpertExecutor:
@@ -35,10 +36,12 @@ class ExpertExecutor:
         raise NotImplementedError
 
     def add_decode(self, layer: int, h: np.ndarray, w: np.ndarray, ids: np.ndarray, x: np.ndarray,
-                   shared: Callable[[], None] | None = None) -> None:
+                   shared: Callable[[], None] | None = None, guess: Guess | None = None) -> None:
         """x [H] += sum_k w[k] expert_ids[k](h) for one token (float32 h [H], w [k]; int32 ids [k]). shared:
         what adds the layer's shared expert into x, called once before the routed experts are added (an
-        executor that reads records calls it once their reads have started, so that it overlaps them)."""
+        executor that reads records calls it once their reads have started, so that it overlaps them).
+        guess: the router lookahead's guess at the next MoE layer's experts, for an executor that reads
+        records ahead (called only if it does)."""
         if shared is not None:
             shared()
         x += self(layer, torch.from_numpy(h)[None], torch.from_numpy(w)[None],
@@ -143,12 +146,13 @@ class NativeExperts(ExpertExecutor):
         return y
 
     def add_decode(self, layer: int, h: np.ndarray, w: np.ndarray, ids: np.ndarray, x: np.ndarray,
-                   shared: Callable[[], None] | None = None) -> None:
+                   shared: Callable[[], None] | None = None, guess: Guess | None = None) -> None:
         """x [H] += sum_k w[k] expert_ids[k](h) for one token (float32 h [H], w [k]; int32 ids [k]), in
         ascending expert id: the native decode step adds a layer's experts straight into its residual
         stream, after its shared expert (shared(), run once the misses' reads have started). When every
         record is in the ring already (a model that fits in RAM, once preloaded) the kernel runs on the
-        slots as they are, with none of acquire's pinning and read bookkeeping."""
+        slots as they are, with none of acquire's pinning and read bookkeeping. guess: handed to the
+        store's read-ahead."""
         if self.replay_routing is not None:
             ids = np.asarray(self.replay_routing(layer), np.int32)
         order = np.argsort(ids, kind="stable")
@@ -162,9 +166,9 @@ class NativeExperts(ExpertExecutor):
         self.store.routed(layer, experts)
         slots = self.store.resident(layer, experts)
         if slots is None:
-            self._run_group(layer, experts, counts, tokens, weights, xs, y, ahead=True, before=shared)
+            self._run_group(layer, experts, counts, tokens, weights, xs, y, ahead=True, before=shared, guess=guess)
             return
-        self.store.read_ahead(layer, slots)
+        self.store.read_ahead(layer, slots, guess)
         if shared is not None:
             shared()
         failed, _, total_s = self._k.moe_experts_ring(
@@ -212,16 +216,17 @@ class NativeExperts(ExpertExecutor):
         return y
 
     def _run_group(self, layer: int, experts: list[int], counts, tokens, weights, xs, y, ahead: bool = False,
-                   before: Callable[[], None] | None = None) -> None:
+                   before: Callable[[], None] | None = None, guess: Guess | None = None) -> None:
         """y += the experts' outputs (expert i takes the next counts[i] of tokens and weights), the records
         read into the ring as needed; each expert runs as soon as its record is in. ahead (a decode step):
-        the next layer's likely records start reading behind this layer's own. before: work that adds into
-        y ahead of the experts, run while their reads are in flight."""
+        the next layer's likely records start reading behind this layer's own (guess: the router
+        lookahead's, when there is one). before: work that adds into y ahead of the experts, run while
+        their reads are in flight."""
         scratch = self._scratch_for(int(tokens.shape[0]), int(counts.max()))
         slots = self.store.acquire(layer, experts)
         try:
             if ahead:
-                self.store.read_ahead(layer, slots)
+                self.store.read_ahead(layer, slots, guess)
             if before is not None:
                 before()
             # A failed read voids the call (y untouched).

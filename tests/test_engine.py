@@ -453,6 +453,66 @@ def test_a_record_read_ahead_counts_as_used_when_the_native_loop_runs_it(model_d
     assert store.io.ahead_used == 2 and not store._ahead
 
 
+class RoutingRecorder:
+    """An expert executor that notes each MoE layer's input and routing on the way through."""
+
+    def __init__(self, inner):
+        self.inner, self.x, self.ids = inner, {}, {}
+
+    def __call__(self, layer, x, topk_weights, topk_ids):
+        self.x[layer], self.ids[layer] = x.clone(), topk_ids.clone()
+        return self.inner(layer, x, topk_weights, topk_ids)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_the_router_lookahead_names_what_the_next_router_would(model_dir):
+    """The lookahead applies the next MoE layer's router (past the dense layer between) to this layer's FFN
+    input re-normed with the next layer's norm weight: given the next layer's own input as this layer's
+    norm weight would have scaled it, it names exactly the experts that layer routed to, best first."""
+    from mosaic_runtime.models.lookahead import RouterLookahead
+    engine = Engine.open(model_dir, max_seq=64)
+    recorder = engine.model.experts = RoutingRecorder(engine.model.experts)
+    engine.logits(PROMPT)
+    layers = engine.model.weights.layers
+    assert sorted(recorder.ids) == [0, 1, 3]
+    # layer 1's norm weight: layer 3's times powers of two, so that re-norming is exact
+    scale = 2.0 ** torch.randint(-2, 3, layers[3].post_norm.shape, generator=torch.Generator().manual_seed(0))
+    layers[1].post_norm = layers[3].post_norm.float() * scale
+    lookahead = RouterLookahead(engine.model)
+    x = recorder.x[3] * scale  # layer 3's input under layer 1's norm weight
+    assert torch.equal(lookahead.guesses(1, x), recorder.ids[3])
+    assert lookahead.guess(1, x[0].numpy()) == recorder.ids[3][0].tolist()
+    assert lookahead.guess(3, recorder.x[3][0].numpy()) is None  # the last MoE layer guesses nothing
+
+
+def test_the_decode_step_reads_ahead_the_router_lookaheads_guess(model_dir, monkeypatch):
+    """With router_lookahead, a MoE layer the native step hands back (its records not all held) reads the
+    next MoE layer ahead with the router lookahead's guess, made from its FFN input; the next layer's
+    routing then scores it. Without it (the default), the read-ahead has no guess."""
+    rec = record_bytes(model_dir)
+    plain = Engine.open(model_dir, ram_budget=4 * rec, max_seq=64)
+    given = []
+    plan = plain.store.policy.plan_ahead
+    monkeypatch.setattr(plain.store.policy, "plan_ahead",
+                        lambda layer, excluded, g=None: given.append(g) or plan(layer, excluded, g))
+    run(plain)
+    assert plain.model.native.lookahead is None and given and given == [None] * len(given)
+
+    engine = Engine.open(model_dir, ram_budget=4 * rec, max_seq=64, router_lookahead=True)
+    policy, lookahead = engine.store.policy, engine.model.native.lookahead
+    made, given = [], []
+    guess, plan = lookahead.guess, policy.plan_ahead
+    monkeypatch.setattr(lookahead, "guess", lambda layer, h: made.append((layer, guess(layer, h))) or made[-1][1])
+    monkeypatch.setattr(policy, "plan_ahead",
+                        lambda layer, excluded, g=None: given.append((layer, g)) or plan(layer, excluded, g))
+    run(engine)
+    assert made and given == [({0: 1, 1: 3}[layer], g) for layer, g in made]
+    assert all(g is not None and len(g) == 2 for _, g in made)
+    assert policy._checked[[1, 2]].sum() == len(made)  # every guess scored by the routing it guessed
+
+
 def test_a_backbone_that_does_not_fit_says_what_would():
     """With no RAM budget, a backbone (bf16, as exact precision holds it) larger than what the process may
     take is refused with the way out, not with a negative ring budget."""

@@ -133,9 +133,9 @@ def test_a_ring_too_small_gives_the_same_bits_with_shared_experts(vaults, case):
     shared_calls = []
     real_add = tiny.model.experts.add_decode
 
-    def add_decode(layer, h, w, ids, x, shared=None):
+    def add_decode(layer, h, w, ids, x, shared=None, guess=None):
         shared_calls.append(shared is not None)
-        real_add(layer, h, w, ids, x, shared)
+        real_add(layer, h, w, ids, x, shared, guess)
     tiny.model.experts.add_decode = add_decode
     runs = []
     for engine in (tiny, full):

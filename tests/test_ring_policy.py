@@ -99,3 +99,51 @@ def test_a_native_steps_bookkeeping_at_once_equals_it_layer_by_layer():
     assert whole._recent().tolist() == stepwise._recent().tolist()
     assert {k: (c.hits, c.misses) for k, c in whole.counters.items()} == \
         {k: (c.hits, c.misses) for k, c in stepwise.counters.items()}
+
+
+def guessing(policy):
+    """(step, unheld) for decode steps of an unseen token in which layer 0 routes, layer 1 is guessed and
+    read ahead, then routes: step(guess, routed) -> the experts read ahead; unheld() -> TOP_K experts of
+    layer 1 the ring does not hold."""
+    def step(guess, routed):
+        policy.begin_step(None)
+        policy.routed(0, [0, 1, 2, 3])
+        planned = policy.plan_ahead(1, set(), guess)
+        policy.routed(1, sorted(routed))
+        return {e for (_, e), _ in planned}
+
+    def unheld():
+        return [e for e in range(EXPERTS) if (1, e) not in policy.where][:TOP_K]
+    return step, unheld
+
+
+def test_a_router_guess_is_read_ahead_as_far_as_it_has_proved_right():
+    """A router lookahead's guess at the next layer weighs as much as the layer's past guesses were named by
+    its routing: once right, guessed records the ring does not hold are read ahead; once wrong, not."""
+    policy = routing(LAYERS * EXPERTS // 4)
+    replay(policy, synthetic_steps(400))  # the ring is full of what this routing uses
+    step, unheld = guessing(policy)
+    for _ in range(30):  # guesses its routing names
+        guess = unheld()
+        step(guess, guess)
+    assert policy._precision[1].min() > 0.9
+    guess = unheld()
+    assert step(guess, guess) == set(guess)
+    for _ in range(30):  # as many guesses its routing never names: right half the time, which is no margin
+        step(unheld(), [e for e in range(EXPERTS) if e not in unheld()][:TOP_K])
+    assert policy._precision[1].max() < 0.6
+    assert step(unheld(), [0, 1, 2, 3]) == set()
+
+
+def test_a_router_guess_is_weighed_rank_by_rank():
+    """Each rank of the guess (best first) keeps its own precision: where a guess's first two experts are
+    always named and its last two never, only the first two are read ahead."""
+    policy = routing(LAYERS * EXPERTS // 4)
+    replay(policy, synthetic_steps(400))
+    step, unheld = guessing(policy)
+    for _ in range(30):
+        guess = unheld()
+        step(guess, guess[:2] + [e for e in range(EXPERTS) if e not in guess][:TOP_K - 2])
+    assert policy._precision[1, :2].min() > 0.9 and policy._precision[1, 2:].max() < 0.1
+    guess = unheld()
+    assert step(guess, guess) == set(guess[:2])

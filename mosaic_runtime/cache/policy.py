@@ -15,7 +15,10 @@ whom they evict:
     * per token id, how often each expert ran for that token (a bounded table): the input token of a
       decode step is known before its first layer, and routing depends on it strongly;
     * expert co-occurrence between consecutive layers of one token: once layer l has routed, which
-      experts layer l+1 is likely to pick.
+      experts layer l+1 is likely to pick;
+    * where the engine reads ahead with the router lookahead (models/lookahead.py), its guess at layer
+      l+1's experts, best first: the guess's i-th expert is expected with the share of the layer's past
+      guesses whose i-th its routing then named (the guess precision of that rank).
   The same estimate says which records of the next layer to read ahead (`plan_ahead`, in a decode step
   once a layer has routed): one whose predicted use beats the record it would displace by AHEAD_MARGIN.
   On the DeepSeek-V2-Lite traces (benchmarks/RESULTS.md) this lifts the hit rate at a quarter of the
@@ -120,9 +123,10 @@ class RingPolicy:
             for e in row:
                 self.lookup((layer, e))
 
-    def plan_ahead(self, layer: int, excluded: set[int]) -> list[tuple[Key, int]]:
+    def plan_ahead(self, layer: int, excluded: set[int], guess: list[int] | None = None) -> list[tuple[Key, int]]:
         """Records of `layer` worth reading before it asks, each given a slot (whatever it held is evicted):
-        [(key, slot)]; none by default."""
+        [(key, slot)]; none by default. guess: the experts a router lookahead expects `layer` to route to
+        (models/lookahead.py), when the caller has one."""
         return []
 
     def rescore(self) -> None:
@@ -155,7 +159,8 @@ class LRUPolicy(RingPolicy):
 HALF_LIFE = 8.0  # steps over which an expert's recent use counts half
 TOKEN_PRIOR = 2.0  # pseudo-observations of the recent-use estimate blended into a token's own counts
 AHEAD_MARGIN = 0.6  # read ahead only what is this much likelier to run than what it would displace
-REUSE_WINDOW = 256  # decode turns over which a layer's reuse rate is averaged
+REUSE_WINDOW = 256  # decode turns over which a layer's reuse rate (and its guess precision) is averaged
+GUESS_PRIOR = 0.5  # a layer's guess precision before any guess of it has been checked
 TOKEN_TABLE_BYTES = 16 << 20  # bound on the per-token routing counts (uint8, layers x experts each)
 
 
@@ -178,6 +183,10 @@ class RoutingPolicy(RingPolicy):
         self._last = np.zeros((L, E), bool)  # the experts each layer routed to at its last decode turn
         self._reuse = np.full(L, top_k / E)  # per layer: share of its top-k the next token routes to again
         self._turns = np.zeros(L)  # decode turns each layer has had (the reuse average's weight, capped)
+        # per layer and rank: how often a guess's i-th expert (best first) was one its routing then named
+        self._precision = np.full((L, top_k), GUESS_PRIOR)
+        self._checked = np.zeros(L)  # guesses checked per layer (the precision average's weight, capped)
+        self._guessed: dict[int, np.ndarray] = {}  # row -> this step's guess for it (best first), until it routes
         self._tokens: OrderedDict[int, list] = OrderedDict()  # token id -> [counts uint8 [L, E], n]
         self._token_cap = max(16, TOKEN_TABLE_BYTES // (L * E))
         self._clock = 0
@@ -199,6 +208,7 @@ class RoutingPolicy(RingPolicy):
         self._layer_row = -1
         self._predicted = None
         self._recent_now = None
+        self._guessed.clear()  # a guess its layer never checked (a step cut short) is not scored
         self.rescore()
 
     def routed(self, layer: int, experts: list[int]) -> None:
@@ -212,8 +222,18 @@ class RoutingPolicy(RingPolicy):
         self._turns[r] += 1
         self._last[r] = False
         self._last[r, experts[:k]] = True
+        self._check_guess(r, experts)
         self._stale_rows.add(r)
         self.rescore()
+
+    def _check_guess(self, r: int, experts) -> None:
+        """Fold which of this step's guesses for row r its routing named into the row's guess precision."""
+        guess = self._guessed.pop(r, None)
+        if guess is not None:
+            n = min(self._checked[r], REUSE_WINDOW)
+            p = self._precision[r, :len(guess)]
+            p += (np.isin(guess, experts) - p) / (n + 1)
+            self._checked[r] += 1
 
     def ran_held(self, layers: list[int], experts: np.ndarray) -> None:
         # routed() and _touch() for every layer at once: a decode step's bookkeeping in a few array ops
@@ -233,6 +253,8 @@ class RoutingPolicy(RingPolicy):
         self._turns[rows] += 1
         self._last[rows] = False
         self._last[rows[:, None], top] = True
+        for r, row in zip(rows.tolist(), top):
+            self._check_guess(r, row)
         for layer in layers:
             self.counters[layer].hits += experts.shape[1]
         at = rows[:, None], experts
@@ -324,11 +346,27 @@ class RoutingPolicy(RingPolicy):
         score[np.fromiter(excluded, np.int64, len(excluded))] = np.inf
         return score
 
-    def plan_ahead(self, layer: int, excluded: set[int]) -> list[tuple[Key, int]]:
+    def _with_guess(self, row: int, q: np.ndarray, guess: list[int]) -> np.ndarray:
+        """q (expected uses at `row`) with a router lookahead's guess (best first) folded in: its i-th expert
+        runs with the row's guess precision of rank i (or q's estimate, if higher); the others share what
+        is left of the top-k in proportion to q."""
+        guess = np.asarray(list(dict.fromkeys(guess))[:self.top_k], np.int64)  # repeats dropped, order kept
+        self._guessed[row] = guess
+        p = np.zeros(self.num_experts)
+        p[guess] = self._precision[row, :len(guess)]
+        named = np.zeros(self.num_experts, bool)
+        named[guess] = True
+        rest = np.where(named, 0.0, q)
+        rest = rest / (rest.sum() + 1e-12) * max(self.top_k - p.sum(), 0.0)
+        return np.where(named, np.maximum(p, q), rest)
+
+    def plan_ahead(self, layer: int, excluded: set[int], guess: list[int] | None = None) -> list[tuple[Key, int]]:
         r = int(self._row[layer]) - 1  # read ahead `layer` from what the layer before it routed
         if r < 0 or r != self._layer_row:  # layer r has not routed this step (a prefill does not say)
             return []
         q = self._next_layer_estimate(r)
+        if guess is not None:
+            q = self._with_guess(r + 1, q, guess)
         self._expected()[r + 1] = q  # this token's estimate for the layer, refined
         self.rescore()
         planned = []

@@ -17,6 +17,7 @@ import errno as errno_names
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -160,17 +161,19 @@ class ExpertStore:
         self._ahead.discard(slot)
         self._key_at[slot] = key
 
-    def read_ahead(self, layer: int, running: list[int]) -> int:
+    def read_ahead(self, layer: int, running: list[int], guess: Callable[[], list[int] | None] | None = None) -> int:
         """While `layer` computes on the slots `running`, start reading the records the policy expects the
         next MoE layer to ask for (only when the ring cannot hold the whole vault); how many were started.
         They are background reads: they start once the layer's own reads have landed, so they do not slow
         those, and keep the disk busy while the layer's last experts and the next layer's attention run
-        (a layer that asks for one still queued moves it ahead)."""
+        (a layer that asks for one still queued moves it ahead). guess: the router lookahead's guess at the
+        next layer's experts, asked for only when something may be read ahead."""
         nxt = self._next_layer.get(layer)
         if nxt is None or len(self.vault.entries) <= self.policy.usable:
             return 0
         self._reap_ahead()
-        planned = self.policy.plan_ahead(nxt, self._pinned | self._reading.keys() | set(running))
+        planned = self.policy.plan_ahead(nxt, self._pinned | self._reading.keys() | set(running),
+                                         None if guess is None else guess())
         for slot, key in ((s, k) for k, s in planned):
             self._took(slot, key)
             self._submit(slot, key, background=True)

@@ -17,6 +17,7 @@ from .. import _native
 from ..backbone import Q4Matrix, QuantizedMatrix
 from ..ops import Q4_ISA, threads
 from ..recipe import Attention, DeltaNet, LatentAttention, QkNorm, Scoring, TopkMethod
+from .lookahead import RouterLookahead
 
 _D = _native.decode
 _QK_NORM = {QkNorm.NONE: 0, QkNorm.HEAD: 1, QkNorm.PROJECTION: 2}
@@ -46,6 +47,8 @@ class _Unsupported(Exception):
 class NativeStep:
     def __init__(self, model, step, moe_layers: list[int]):
         self.model, self.step_fn, self.moe_layers = model, step, moe_layers
+        # what a layer handed back guesses of the next MoE layer, when the engine reads ahead with it
+        self.lookahead: RouterLookahead | None = None
         n, k = len(model.recipe.layers), max(step.top_k, 1)
         self.scratch = np.zeros(step.scratch_floats, np.float32)
         # each layer's top-k, written by the step: [layers, top_k]
@@ -100,9 +103,11 @@ class NativeStep:
             if stop == n:
                 return torch.from_numpy(logits)[None]
             # the layer's shared expert, then its routed experts, into x; the executor runs the shared
-            # expert once it has started the reads the routed ones need, so that it overlaps them
+            # expert once it has started the reads the routed ones need, so that it overlaps them, and
+            # asks for the lookahead's guess (from h, the layer's FFN input) if it reads ahead
             shared = partial(self.step_fn.mlp, stop, Q4_ISA, threads(), x, h, self.scratch)
-            experts.add_decode(stop, h, weights[stop], ids[stop], x, shared)
+            guess = None if self.lookahead is None else partial(self.lookahead.guess, stop, h)
+            experts.add_decode(stop, h, weights[stop], ids[stop], x, shared, guess)
             first = stop + 1
 
 
