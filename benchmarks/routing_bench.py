@@ -38,15 +38,15 @@ FRACTIONS = (0.05, 0.10, 0.25, 0.50, 1.00)
 
 
 def bundled_trace(model: Path, windows: int = 40, seq: int = 256) -> tuple[Trace, float]:
-    """Route held-out text through the bundled model's Q4 vault with Mosaic's runtime. Also returns how well
-    a layer's router guesses the next layer's experts: layer l+1's router applied to layer l's FFN input
-    (re-normed with l+1's norm weight), the guess an engine could make while layer l computes; the mean
-    share of the next layer's top-k it names."""
+    """Route held-out text through the bundled model's Q4 vault with Mosaic's runtime, with the router
+    lookahead's guess at each layer's experts (models/lookahead.py: layer l+1's router applied to layer l's
+    FFN input, re-normed with l+1's norm weight, the guess the decode step makes while layer l computes).
+    Also returns the mean share of a layer's top-k that the guess names."""
     sys.path.insert(0, str(ROOT / "examples"))
     from train_bundled import chat_turns, held_out, stdlib_files
 
     from mosaic_runtime.engine import Engine
-    from mosaic_runtime.routing import route
+    from mosaic_runtime.models.lookahead import RouterLookahead
     from mosaic_shatter.convert import convert
 
     class Recorder:
@@ -63,26 +63,27 @@ def bundled_trace(model: Path, windows: int = 40, seq: int = 256) -> tuple[Trace
     with tempfile.TemporaryDirectory() as tmp:
         out = convert(str(model), Path(tmp) / "q4", "q4", progress=False).out
         engine = Engine.open(out, max_seq=seq, precision="exact")
+        lookahead = RouterLookahead(engine.model)
         docs = [d for rel, text in stdlib_files() if held_out(rel) for d in [text] + chat_turns(rel, text)]
         ids = [i for d in docs for i in engine.codec.encode(d)]
         recorder = Recorder(engine.model.experts)
         engine.model.experts = recorder
-        layers, weights = engine.model.recipe.layers, engine.model.weights.layers
-        sequences, tokens, overlap = [], [], []
+        sequences, guesses, tokens, overlap = [], [], [], []
         for w in range(min(windows, len(ids) // seq)):
             engine.logits(ids[w * seq:(w + 1) * seq])
             moe = sorted(recorder.ids)
-            sequences.append(np.stack([recorder.ids[layer].numpy() for layer in moe], axis=1))
+            routes = np.stack([recorder.ids[layer].numpy() for layer in moe], axis=1)  # [T, L, k]
+            guess = np.full_like(routes, -1)
+            for i, a in enumerate(moe[:-1]):
+                guess[:, i + 1] = lookahead.guesses(a, recorder.x[a].float()).numpy()
+                overlap.append((guess[:, i + 1, :, None] == routes[:, i + 1, None, :]).any(-1).mean())
+            sequences.append(routes)
+            guesses.append(guess)
             tokens.append(ids[w * seq:(w + 1) * seq])
-            for a, b in zip(moe, moe[1:]):
-                x = recorder.x[a] / weights[a].post_norm.float() * weights[b].post_norm.float()
-                _, guess = route(x @ weights[b].ffn.router.float().T, layers[b].ffn.router, weights[b].ffn.router_bias)
-                actual = recorder.ids[b]
-                overlap.append((guess[:, :, None] == actual[:, None, :]).any(-1).float().mean().item())
         arch = engine.arch
         engine.close()
     return Trace("bundled stdlib-moe", "held-out text, teacher-forced", arch["num_experts"],
-                 arch["num_experts_per_tok"], sequences, tokens), float(np.mean(overlap))
+                 arch["num_experts_per_tok"], sequences, tokens, guesses), float(np.mean(overlap))
 
 
 def usage_skew(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
@@ -110,11 +111,17 @@ def next_token_reuse(trace: Trace) -> np.ndarray:
 
 
 def ring_policies(trace: Trace, slots: int):
-    """((RingRun, per-layer hit rates) of LRU, the same of the routing policy) over the trace, each driven as
-    ExpertStore drives the engine's policy."""
+    """(RingRun, per-layer hit rates) of LRU, of the routing policy on its statistics alone, and of the
+    routing policy with the trace's router lookahead guesses (None for a trace without them), each driven
+    over the trace as ExpertStore drives the engine's policy."""
+    def routing():
+        return RoutingPolicy(slots, list(range(trace.layers)), trace.n_experts, trace.top_k)
     out = []
-    for policy in (LRUPolicy(slots), RoutingPolicy(slots, list(range(trace.layers)), trace.n_experts, trace.top_k)):
-        run = ring_hit_rate(policy, trace)
+    for policy, lookahead in ((LRUPolicy(slots), False), (routing(), False), (routing(), True)):
+        if lookahead and not trace.guesses:
+            out.append(None)
+            continue
+        run = ring_hit_rate(policy, trace, lookahead=lookahead)
         out.append((run, hit_rates(policy.counters, trace.layers)[1]))
     return out
 
@@ -184,25 +191,29 @@ def main() -> None:
           f"{bundled.top_k} (teacher-forced held-out text)")
     print("\n| model | ring (share of all experts) | slots | LRU hit rate (per-layer range) | routing policy hit rate "
           "(per-layer range) | records read per token, LRU / routing (of which read ahead; share used) "
-          "| Belady bound | static oracle |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| with the router lookahead: hit rate, records read (read ahead; share used) | Belady bound "
+          "| static oracle |")
+    print("|---|---|---|---|---|---|---|---|---|")
     curves = {}
     for tr in traces:
         total = tr.layers * tr.n_experts
         xs, lru, ours, belady = [], [], [], []
         for f in FRACTIONS:
             slots = max(tr.top_k, round(f * total))
-            (base, per_layer), (run, ours_layer) = ring_policies(tr, slots)
+            (base, per_layer), (run, ours_layer), guided = ring_policies(tr, slots)
             hit, lru_reads = base.hit_rate, base.reads_per_token
             static = static_oracle_hit_rate(tr, slots)
+            with_guess = "-" if guided is None else (
+                f"{guided[0].hit_rate:.3f}, {guided[0].reads_per_token:.1f} ({guided[0].ahead_per_token:.1f}; "
+                f"{guided[0].ahead_used:.2f})")
             xs.append(slots / total)
             lru.append(hit)
             ours.append(run.hit_rate)
             belady.append(belady_hit_rate(tr, slots))
             print(f"| {tr.name} | {slots / total:.0%} | {slots} | {hit:.3f} ({_range(per_layer)}) "
                   f"| {run.hit_rate:.3f} ({_range(ours_layer)}) | {lru_reads:.1f} / "
-                  f"{run.reads_per_token:.1f} ({run.ahead_per_token:.1f}; {run.ahead_used:.2f}) | {belady[-1]:.3f} "
-                  f"| {static:.3f} |", flush=True)
+                  f"{run.reads_per_token:.1f} ({run.ahead_per_token:.1f}; {run.ahead_used:.2f}) | {with_guess} "
+                  f"| {belady[-1]:.3f} | {static:.3f} |", flush=True)
         curves[tr.name] = (xs, lru, ours, belady)
 
     print("\n| model | device tier (share of all experts) | policy | hit rate | per-layer range "

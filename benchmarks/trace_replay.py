@@ -3,7 +3,7 @@ replaced by the trace's, token by token, under a memory limit.
 
     python benchmarks/trace_replay.py --trace deepseek-v2-lite [--limit-fraction 0.25 ...] [--tokens 200]
                                       [--routing ../shared/routing] [--work bench-data/replay] [--json]
-                                      [--plot benchmarks/trace_replay.png]
+                                      [--plot benchmarks/trace_replay.png] [--guess-precision P]
 
 --trace names a trace under --routing (deepseek-v2-lite, mixtral-8x7b) or is its directory.
 
@@ -17,7 +17,8 @@ Each run is a fresh process, page cache dropped first, in a cgroup v1 memory lim
 `fraction` of the vault (ram_budget), the limit is that plus what the engine needs besides (backbone,
 KV cache, torch), so the page cache cannot hold the rest of the vault. Reads are Direct I/O, so the ring
 is the only cache. The routing override (NativeExperts.replay_routing) is a benchmark facility; nothing
-else on the decode path changes, read-ahead and the ring policy included.
+else on the decode path changes, read-ahead and the ring policy included. With --guess-precision the
+read-ahead also takes a synthetic router lookahead's guess at the recorded routing (ReplayLookahead).
 
 Printed per run (one JSON line): tok_per_s, hit_rate, bytes_read_per_token, disk_busy_share (the share of
 the run during which at least one read was in progress) and busy_gbps (the bytes over that time: the
@@ -186,6 +187,9 @@ def worker(spec: dict) -> dict:
     experts, ring = engine.model.experts, engine.store.ring
     current: list[np.ndarray] = []
     experts.replay_routing = lambda layer: current[0][layer]
+    if spec["guess_precision"] is not None:
+        engine.model.native.lookahead = ReplayLookahead(current, int(engine.arch["num_experts"]),
+                                                        spec["guess_precision"])
     total = sum(len(ids) for ids, _ in sequences)
     probe_at = {round(total * (i + 0.5) / spec["probes"]) for i in range(spec["probes"])}
     probes, paused, probing = [], 0.0, probe_ring(engine.vault, "direct")
@@ -219,6 +223,27 @@ def worker(spec: dict) -> dict:
     return out
 
 
+class ReplayLookahead:
+    """What stands in for the router lookahead (models/lookahead.py, `Engine.open(router_lookahead=True)`)
+    in a replay with --guess-precision p. The trace routes, not the model's router, so the model's own
+    guesses would name experts of routing that never happens; this one names each of the next layer's
+    recorded experts with probability p and a random other expert otherwise: what a lookahead right that
+    often buys at this geometry (a real router's misses are near misses, often used soon after; these are
+    random)."""
+
+    def __init__(self, current: list[np.ndarray], n_experts: int, precision: float):
+        self.current, self.n_experts, self.precision = current, n_experts, precision
+        self.rng = np.random.default_rng(0)
+
+    def guess(self, layer: int, h) -> list[int] | None:
+        routes = self.current[0]
+        if layer + 1 >= routes.shape[0]:
+            return None
+        true = routes[layer + 1]
+        others = self.rng.permutation(np.setdiff1d(np.arange(self.n_experts), true))
+        return [int(e) if self.rng.random() < self.precision else int(others[i]) for i, e in enumerate(true)]
+
+
 def probe_disk(engine, probing, sample: int, probes: list[float], seed: int) -> float:
     """Pause the decode for a short full-queue read of `sample` random records (stream_all) and append its
     GB/s to `probes`. Returns the seconds to leave out of the decode's time:
@@ -242,6 +267,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--probes", type=int, default=10, help="disk probes spread through each run (the floor "
                     "takes their median)")
+    ap.add_argument("--guess-precision", type=float, help="read ahead with a synthetic router lookahead that "
+                    "names each of the next layer's recorded experts with this probability (default: none, the "
+                    "ring policy's statistics alone)")
     ap.add_argument("--json", action="store_true", help="only the JSON lines")
     ap.add_argument("--plot", type=Path, help="a PNG of tok/s and hit rate against the ring's share")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -266,13 +294,14 @@ def main() -> None:
         drop_caches()
         budget = int(fraction * vault_bytes)
         spec = dict(trace=args.trace, routing=str(args.routing), model=str(model), tokens=args.tokens,
-                    ram_budget=budget, threads=args.threads, probes=args.probes)
+                    ram_budget=budget, threads=args.threads, probes=args.probes, guess_precision=args.guess_precision)
         cmd = [sys.executable, str(Path(__file__).resolve()), "--trace", args.trace, "--worker", json.dumps(spec)]
         out = run_worker(cmd, budget + ENGINE_HEADROOM, timeout=3600)
         # the disk's speed drifts within minutes: the floor takes the median of the probes made during the
         # run, which meet the disk the engine met
         gbps = float(np.median(out["disk_in_run_gbps"]))
         out.update(trace=args.trace, limit_fraction=fraction, limit_bytes=budget + ENGINE_HEADROOM,
+                   guess_precision=args.guess_precision,
                    disk_probes_gbps=[before, disk_gbps(model)], disk_gbps=gbps,
                    io_floor_tok_per_s=gbps * 1e9 / max(1.0, out["bytes_read_per_token"]),
                    belady_hit_rate=belady_hit_rate(bound_trace, out["ring_slots"]))

@@ -6,7 +6,8 @@ them from there; nothing here copies them into the repository.
 
 `ring_hit_rate` drives a ring policy exactly as ExpertStore does in a decode step: per token
 `begin_step(token)`, then layer by layer `routed`, the lookups (held records pinned before any miss takes a
-slot), the misses placed, and `plan_ahead` for the next layer while this one computes. `belady_hit_rate`
+slot), the misses placed, and `plan_ahead` for the next layer while this one computes (with a router
+lookahead's guess where the trace records one: the bundled model's, benchmarks/routing_bench.py). `belady_hit_rate`
 is the bound for a ring of the same size that reads only on demand: it evicts the record whose next use is
 farthest away, knowing the future.
 """
@@ -30,6 +31,9 @@ class Trace:
     top_k: int
     sequences: list[np.ndarray]  # each [T, L, k] expert ids
     tokens: list[list[int]] = field(default_factory=list)  # per sequence, per token: an id (empty: unknown)
+    # per sequence [T, L, k]: a router lookahead's guess at each layer's experts, made while the layer before
+    # it computed (layer 0's unused); empty: none
+    guesses: list[np.ndarray] = field(default_factory=list)
 
     @property
     def layers(self) -> int:
@@ -40,11 +44,12 @@ class Trace:
         return sum(s.shape[0] for s in self.sequences)
 
     def steps(self):
-        """(token id or None, routes [L, k]) for every token of every sequence, in order."""
+        """(token id or None, routes [L, k], guesses [L, k] or None) for every token of every sequence, in
+        order."""
         for i, s in enumerate(self.sequences):
             ids = self.tokens[i] if self.tokens else [None] * s.shape[0]
             for t in range(s.shape[0]):
-                yield ids[t], s[t]
+                yield ids[t], s[t], self.guesses[i][t] if self.guesses else None
 
 
 def token_id(text: str, vocab: int = 1 << 30) -> int:
@@ -103,14 +108,15 @@ class RingRun:
     bytes_per_token: float = 0.0  # with record_bytes: the stored bytes of those reads
 
 
-def ring_hit_rate(policy, trace: Trace, record_bytes: np.ndarray | None = None) -> RingRun:
-    """Drive `policy` (a cache.policy.RingPolicy) over the trace as ExpertStore would, token by token.
+def ring_hit_rate(policy, trace: Trace, record_bytes: np.ndarray | None = None, lookahead: bool = True) -> RingRun:
+    """Drive `policy` (a cache.policy.RingPolicy) over the trace as ExpertStore would, token by token, with the
+    trace's router lookahead guesses where it has them (and lookahead is set).
     record_bytes: [layers, experts] stored size of each record, to count the bytes the reads take."""
     layers = trace.layers
     reads_ahead = layers * trace.n_experts > policy.usable  # as ExpertStore.read_ahead: not when all fit
     hits = lookups = reads = ahead = used = read_bytes = 0
     pending: set[tuple[int, int]] = set()  # read ahead, not yet asked for
-    for token, routes in trace.steps():
+    for token, routes, guesses in trace.steps():
         policy.begin_step(token)
         for layer in range(layers):
             experts = sorted(set(routes[layer].tolist()))
@@ -128,7 +134,8 @@ def ring_hit_rate(policy, trace: Trace, record_bytes: np.ndarray | None = None) 
             hits += sum(s is not None for s in found)
             lookups += len(experts)
             if reads_ahead and layer + 1 < layers:
-                planned = policy.plan_ahead(layer + 1, pinned)
+                guess = guesses[layer + 1].tolist() if lookahead and guesses is not None else None
+                planned = policy.plan_ahead(layer + 1, pinned, guess)
                 pending.difference_update(k for k in list(pending) if k not in policy.where)
                 pending.update(k for k, _ in planned)
                 ahead += len(planned)
