@@ -4,7 +4,10 @@ computes, so that their records can be read before the layer asks for them.
 The guess is the next MoE layer's router applied to this layer's FFN input, re-normed with the next layer's
 norm weight: the residual stream changes little from one layer to the next, so the input the next router
 will see is close to this one. On the bundled model (a real trained MoE) it names 0.80 of the next layer's
-top-4 (benchmarks/RESULTS.md). The ring policy weighs it by how often it has been right (RoutingPolicy).
+top-4, its best-ranked expert 0.96 of the time. The ring policy weighs each rank of it by how often that
+rank has been right (RoutingPolicy). The engine uses it when opened with router_lookahead=True: it raises
+the hit rate by reading more, which on a disk-bound machine cost more than it saved (benchmarks/RESULTS.md,
+"The router lookahead").
 """
 
 from __future__ import annotations
