@@ -10,10 +10,10 @@ The tokens are fed, not sampled (teacher-forced, as a decode step would see them
 positions, the same text for both runs; each run is a fresh engine with Direct I/O (the ring is the only
 cache). Printed per ring size and mode: the hit rate, the records read a token (demand misses and reads
 ahead), the reads ahead a token and the share of them a layer then used, the guess precision by rank
-(best first: how often a guess's i-th expert was one its layer's routing named, over the guessed layers), and whether the logits were the same bits in both modes
-(reading ahead changes what is held, never a result), and tok/s: the bundled model's records are 55 KB,
-so a decode step here waits on each read's latency more than on the disk's bandwidth (a model the size
-the engine is for reads megabytes a record).
+(best first: how often a guess's i-th expert was one its layer's routing named, over the guessed layers),
+whether the logits were the same bits in both modes (reading ahead changes what is held, never a result),
+and tok/s: the bundled model's records are 55 KB, so a decode step here waits on each read's latency more
+than on the disk's bandwidth (a model the size the engine is for reads megabytes a record).
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ them from there; nothing here copies them into the repository.
 `ring_hit_rate` drives a ring policy exactly as ExpertStore does in a decode step: per token
 `begin_step(token)`, then layer by layer `routed`, the lookups (held records pinned before any miss takes a
 slot), the misses placed, and `plan_ahead` for the next layer while this one computes (with a router
-lookahead's guess where the trace records one: the bundled model's, benchmarks/routing_bench.py). `belady_hit_rate`
-is the bound for a ring of the same size that reads only on demand: it evicts the record whose next use is
-farthest away, knowing the future.
+lookahead's guess, as `Engine.open(router_lookahead=True)` gives it, where asked for and the trace records
+one: the bundled model's, benchmarks/routing_bench.py). `belady_hit_rate` is the bound for a ring of the same
+size that reads only on demand: it evicts the record whose next use is farthest away, knowing the future.
 """
 
 from __future__ import annotations
@@ -108,9 +108,9 @@ class RingRun:
     bytes_per_token: float = 0.0  # with record_bytes: the stored bytes of those reads
 
 
-def ring_hit_rate(policy, trace: Trace, record_bytes: np.ndarray | None = None, lookahead: bool = True) -> RingRun:
-    """Drive `policy` (a cache.policy.RingPolicy) over the trace as ExpertStore would, token by token, with the
-    trace's router lookahead guesses where it has them (and lookahead is set).
+def ring_hit_rate(policy, trace: Trace, record_bytes: np.ndarray | None = None, lookahead: bool = False) -> RingRun:
+    """Drive `policy` (a cache.policy.RingPolicy) over the trace as ExpertStore would, token by token; with
+    lookahead, the trace's router lookahead guesses go to the read-ahead where it has them.
     record_bytes: [layers, experts] stored size of each record, to count the bytes the reads take."""
     layers = trace.layers
     reads_ahead = layers * trace.n_experts > policy.usable  # as ExpertStore.read_ahead: not when all fit
