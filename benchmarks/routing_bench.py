@@ -21,6 +21,7 @@ used farthest ahead) and a static cache of the most-used experts of the whole tr
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import tempfile
 from collections import Counter
@@ -171,6 +172,8 @@ def main() -> None:
     ap.add_argument("--routing", type=Path, default=ROOT.parent / "shared" / "routing")
     ap.add_argument("--plot", type=Path, default=ROOT / "benchmarks" / "routing_ring.png")
     args = ap.parse_args()
+    if importlib.util.find_spec("matplotlib") is None:  # said now, not after the simulations
+        ap.error("the plot needs matplotlib: pip install -e '.[bench]'")
     bundled, guess = bundled_trace(args.model)
     traces = [bundled]
     if (args.routing / "deepseek-v2-lite").is_dir():
