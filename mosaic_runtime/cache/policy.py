@@ -160,7 +160,7 @@ HALF_LIFE = 8.0  # steps over which an expert's recent use counts half
 TOKEN_PRIOR = 2.0  # pseudo-observations of the recent-use estimate blended into a token's own counts
 AHEAD_MARGIN = 0.6  # read ahead only what is this much likelier to run than what it would displace
 REUSE_WINDOW = 256  # decode turns over which a layer's reuse rate (and its guess precision) is averaged
-GUESS_PRIOR = 0.5  # a layer's guess precision before any guess of it has been checked
+GUESS_PRIOR = 0.5  # the precision of a rank of a layer's guesses before any guess of it has been checked
 TOKEN_TABLE_BYTES = 16 << 20  # bound on the per-token routing counts (uint8, layers x experts each)
 
 
