@@ -1,7 +1,8 @@
 """Routing of real models: per-layer expert-usage skew, next-token expert reuse, the hit rate of the
-ring's policies (the engine's RoutingPolicy, with its read-ahead, and LRU) against ring size beside the
-Belady bound, with a PNG plot, and the device tier's promotion policies (mosaic_runtime.tier) against
-their budget.
+ring's policies (the engine's RoutingPolicy, with its read-ahead, and LRU; on the bundled model also the
+routing policy reading ahead with the router lookahead's guesses) against ring size beside the Belady
+bound, with a PNG plot, and the device tier's promotion policies (mosaic_runtime.tier) against their
+budget.
 
     python benchmarks/routing_bench.py [--model examples/stdlib-moe] [--routing ../shared/routing]
                                        [--plot benchmarks/routing_ring.png]
