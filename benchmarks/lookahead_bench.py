@@ -43,9 +43,10 @@ def held_out_ids(engine, tokens: int) -> list[list[int]]:
 
 def run(vault: Path, fraction: float, tokens: int, lookahead: bool) -> dict:
     from mosaic_runtime.engine import Engine
-    probe = Engine.open(vault, max_seq=WINDOW)
-    budget = int(fraction * len(probe.vault.entries) * probe.vault.header.record_bytes)
-    probe.close()
+    from mosaic_runtime.vault import open_vault
+    index = open_vault(vault)  # the records alone: the ring's budget is a share of them
+    budget = int(fraction * len(index.entries) * index.header.record_bytes)
+    index.close()
     engine = Engine.open(vault, ram_budget=budget, io="direct", max_seq=WINDOW, router_lookahead=lookahead)
     digest = hashlib.sha256()
     n = 0
