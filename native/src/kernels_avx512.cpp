@@ -394,7 +394,10 @@ MOSAIC_VNNI void row_tile_codes(const MatvecArgs& a, int r0, int rows, int block
   const __m256i rows_lo = _mm512_castsi512_si256(row_at), rows_hi = _mm512_extracti64x4_epi64(row_at, 1);
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const detail::NextTile next(a.codes, a.scales, row_bytes, blocks * sizeof(Scale), r0 + kLaneRows, kLaneRows, a.rows,
+                              blocks);
   for (int b = 0; b < blocks; ++b) {
+    for (size_t l = next.lines_before(b), e = next.lines_before(b + 1); l < e; ++l) _mm_prefetch(next.line(l), _MM_HINT_T1);
     int32_t* w = out.codes.data() + static_cast<size_t>(b) * 8 * kLaneRows;
     for (int h = 0; h < 2; ++h) {
       const uint8_t* at = base + b * kQ4Bytes + 8 * h;
