@@ -202,10 +202,15 @@ class NativeExperts(ExpertExecutor):
 
     def run(self, layer: int, xs: np.ndarray, ids: np.ndarray, w: np.ndarray, experts: list[int]) -> np.ndarray:
         """sum over `experts` (ascending ids, a subset of those routed) of w * expert(x), as float32 [T, H]."""
-        per = [np.nonzero(ids == e) for e in experts]
-        counts = np.array([len(tok) for tok, _ in per], np.int32)
-        tokens = np.concatenate([tok for tok, _ in per]).astype(np.int32)
-        weights = np.concatenate([w[tok, slot] for tok, slot in per]).astype(np.float32)
+        # Each expert's (token, slot) pairs in token order, by one stable sort of the flat ids (a scan of ids
+        # per expert took 2.7 ms of a 512-token layer of 256 experts).
+        flat = ids.ravel()
+        order = np.argsort(flat, kind="stable")
+        if len(experts) < np.count_nonzero(np.bincount(flat)):  # a subset (the rest run on the device)
+            order = order[np.isin(flat[order], experts)]
+        counts = np.bincount(flat, minlength=experts[-1] + 1)[experts].astype(np.int32)
+        tokens = (order // ids.shape[1]).astype(np.int32)
+        weights = w.ravel()[order].astype(np.float32)
         starts = np.concatenate([[0], np.cumsum(counts)])
         y = np.zeros_like(xs)
         # A prefill chunk may name more experts than the ring holds: run them in ascending groups that fit.
