@@ -214,6 +214,8 @@ def int8_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @given(rows=st.integers(1, 70), cols=st.integers(1, 300), n=st.integers(1, 6), seed=st.integers(0, 1000),
        isa=st.sampled_from(ISAS))
 @example(rows=9, cols=4100, n=37, seed=1, isa=ISAS[-1])  # a prompt in several L2-sized token blocks
+@example(rows=7, cols=45, n=5, seed=2, isa=ISAS[-1])  # row groups of four and three, a column tail
+@example(rows=6, cols=40, n=3, seed=3, isa=ISAS[-1])  # four and two
 def test_linear_bf16_matches_float_reference(rows, cols, n, seed, isa):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(rows, cols, generator=g).bfloat16()

@@ -62,8 +62,9 @@ void code_rows(const uint8_t* w, int cols, const float* x, int ldx, int nt, floa
   for_tokens(nt, [&](auto NT) { code_row<decltype(NT)::value, Fp8>(w, cols, x, ldx, scale, y, ldy); });
 }
 
-void bf16_rows(const uint16_t* w, int cols, const float* x, int ldx, int nt, float* y, int ldy) {
-  for_tokens(nt, [&](auto NT) { bf16_row<decltype(NT)::value>(w, cols, x, ldx, y, ldy); });
+void bf16_rows(const uint16_t* w, int nrows, int cols, const float* x, int ldx, int nt, float* y, int ldy) {
+  for (int i = 0; i < nrows; ++i)
+    for_tokens(nt, [&](auto NT) { bf16_row<decltype(NT)::value>(w + i * cols, cols, x, ldx, y + i, ldy); });
 }
 
 }  // namespace

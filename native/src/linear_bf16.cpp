@@ -36,8 +36,9 @@ void code_rows(const uint8_t* w, int cols, const float* x, int ldx, int nt, floa
 }  // namespace
 
 BackboneRows backbone_rows_scalar() {
-  return {[](const uint16_t* w, int cols, const float* x, int ldx, int nt, float* y, int ldy) {
-            for_tokens(nt, [&](auto NT) { bf16_row<decltype(NT)::value>(w, cols, x, ldx, y, ldy); });
+  return {[](const uint16_t* w, int nrows, int cols, const float* x, int ldx, int nt, float* y, int ldy) {
+            for (int i = 0; i < nrows; ++i)
+              for_tokens(nt, [&](auto NT) { bf16_row<decltype(NT)::value>(w + i * cols, cols, x, ldx, y + i, ldy); });
           },
           code_rows<false>, code_rows<true>};
 }
@@ -58,8 +59,8 @@ BackboneRows backbone_rows(Isa vector) {
 
 void linear_bf16(const uint16_t* w, int rows, int cols, const float* x, int n, float* y, int threads, Isa isa) {
   const detail::Bf16RowFn row = detail::backbone_rows(vector_isa(isa)).bf16;
-  detail::for_row_tiles(rows, cols, n, threads, [&](int r, int t0, int nt) {
-    row(w + static_cast<uint64_t>(r) * cols, cols, x + static_cast<uint64_t>(t0) * cols, cols, nt,
+  detail::for_row_tiles(rows, cols, n, threads, detail::kBf16Rows, [&](int r, int nr, int t0, int nt) {
+    row(w + static_cast<uint64_t>(r) * cols, nr, cols, x + static_cast<uint64_t>(t0) * cols, cols, nt,
         y + static_cast<uint64_t>(t0) * rows + r, rows);
   });
 }

@@ -15,7 +15,7 @@ void linear_quant(const uint8_t* w, const float* scales, bool fp8, int rows, int
                   float* y, int threads, Isa isa) {
   const detail::BackboneRows rows_of = detail::backbone_rows(vector_isa(isa));
   const detail::CodeRowFn row = fp8 ? rows_of.fp8 : rows_of.int8;
-  detail::for_row_tiles(rows, cols, n, threads, [&](int r, int t0, int nt) {
+  detail::for_row_tiles(rows, cols, n, threads, 1, [&](int r, int, int t0, int nt) {
     row(w + static_cast<uint64_t>(r) * cols, cols, x + static_cast<uint64_t>(t0) * cols, cols, nt, scales[r],
         y + static_cast<uint64_t>(t0) * rows + r, rows);
   });

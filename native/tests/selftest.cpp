@@ -283,7 +283,7 @@ void check_moe() {
 // --- backbone projections ----------------------------------------------------------------------------
 
 void check_linear() {
-  const int shapes[][2] = {{1, 8}, {5, 17}, {33, 100}, {64, 257}};
+  const int shapes[][2] = {{1, 8}, {5, 17}, {6, 35}, {7, 40}, {33, 100}, {64, 257}};  // every bf16 row group size
   for (Isa isa : isas_under_test())
     for (const auto& shape : shapes)
       for (int n : {1, 3, 6}) {
