@@ -211,7 +211,7 @@ def probe(source, revision, as_json, keep):
 @click.option("--revision", help="Revision, when SOURCE is a repo id in the Hub cache.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists (only once the new one is complete).")
 @click.option("--workers", type=click.IntRange(min=1),
-              help="Expert encoding threads (default: one a core, as many as half the free memory holds).")
+              help="Expert encoding threads (default: two a core, as many as half the free memory holds).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @_KEEP
 @click.option("--routing", type=click.Path(),

@@ -115,8 +115,8 @@ class Plan:
         return sum(t.nbytes for t in self.backbone)
 
     def workers_for(self, memory: int, cores: int) -> int:
-        """Encoding threads for a convert: one a core, no more than peak_ram_bytes fits in `memory` (at
-        least one: the smallest convert is what it is)."""
+        """Encoding threads for a convert: `cores` of them (the threads it may run), no more than
+        peak_ram_bytes fits in `memory` (at least one: the smallest convert is what it is)."""
         workers = max(1, cores)
         while workers > 1 and self.peak_ram_bytes(workers) > memory:
             workers -= 1

@@ -11,7 +11,7 @@ from builders import CONFIGS, skeleton
 from mosaic_shatter.architectures import ARCHITECTURES
 from mosaic_shatter.checkpoint import Checkpoint
 from mosaic_shatter.cli import probe_report
-from mosaic_shatter.convert import default_workers
+from mosaic_shatter.convert import WORKERS_PER_CORE, default_workers
 from mosaic_shatter.plan import make_plan
 
 GiB = 2**30
@@ -61,13 +61,13 @@ def test_probe_agrees_with_the_published_sizes(skeletons, name, monkeypatch):
 
 
 def test_convert_workers_fit_the_memory(skeletons):
-    """One encoding thread a core, fewer when their experts in flight would not fit (never none)."""
+    """As many encoding threads as asked, fewer when their experts in flight would not fit (never none)."""
     plan = make_plan(Checkpoint(str(skeletons["qwen3-235b-a22b"])))
     assert plan.workers_for(1 << 50, 16) == 16
     assert plan.workers_for(plan.peak_ram_bytes(5), 16) == 5
     assert plan.workers_for(plan.peak_ram_bytes(5) - 1, 16) == 4
     assert plan.workers_for(0, 16) == 1 and plan.workers_for(1 << 50, 0) == 1
-    assert 1 <= default_workers(plan) <= (os.cpu_count() or 1)
+    assert 1 <= default_workers(plan) <= WORKERS_PER_CORE * (os.cpu_count() or 1)
 
 
 def test_fp8_checkpoint_is_detected_for_pass_through(skeletons):
