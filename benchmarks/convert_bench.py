@@ -1,17 +1,20 @@
 """Convert throughput next to this disk's raw read and write speed, measured in the same run, and peak RSS.
 
-    python benchmarks/convert_bench.py [--layers 2] [--data bench-data]
+    python benchmarks/convert_bench.py [--layers 2] [--data bench-data] [--hub-cache]
 
 Builds (once) a bf16 checkpoint with Qwen3-30B-A3B's per-layer geometry (hidden 2048, 128 experts of
 768, vocab 8192) and `--layers` MoE layers, about 1.3 GB a layer, in 1 GiB shards. Then, with the page
 cache dropped before each step (needs root; otherwise the figures are warm and say so):
 raw O_DIRECT read of the shards, raw O_DIRECT write of as many bytes, and `convert --quant q4|fp8`,
-each in a fresh process whose peak RSS is reported beside probe's bound.
+each in a fresh process whose peak RSS is reported beside probe's bound. `--hub-cache` converts from a view
+of the same files laid out as the Hugging Face cache keeps a download (snapshot symlinks to blobs named by
+their SHA-256), where convert takes the lineage's hashes from the blob names instead of hashing the source.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import mmap
 import os
 import subprocess
@@ -27,6 +30,31 @@ def build_checkpoint(path: Path, layers: int) -> Path:
     """A bf16 checkpoint with Qwen3-30B-A3B's per-layer geometry (benchmarks/geometries.py), built once."""
     from benchmarks.geometries import build
     return build("qwen3-30b-a3b", path, layers)
+
+
+def hub_cache_view(ckpt: Path) -> Path:
+    """The checkpoint as the Hub's cache lays out a download, built once beside it: each file a symlink from
+    snapshots/bench/ to blobs/<its SHA-256>, a hard link to the same bytes (no copy)."""
+    root = ckpt.parent / f"{ckpt.name}-hub"
+    snapshot = root / "snapshots" / "bench"
+    if snapshot.is_dir():
+        return snapshot
+    blobs, partial = root / "blobs", root / "snapshots" / "partial"
+    blobs.mkdir(parents=True, exist_ok=True)
+    partial.mkdir(parents=True, exist_ok=True)
+    for f in sorted(p for p in ckpt.iterdir() if p.is_file()):
+        h = hashlib.sha256()
+        with open(f, "rb") as src:
+            while chunk := src.read(8 << 20):
+                h.update(chunk)
+        blob = blobs / h.hexdigest()
+        if not blob.exists():
+            os.link(f, blob)
+        link = partial / f.name
+        link.unlink(missing_ok=True)
+        link.symlink_to(os.path.relpath(blob, partial))
+    partial.rename(snapshot)
+    return snapshot
 
 
 def drop_caches() -> bool:
@@ -93,20 +121,26 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--data", type=Path, default=ROOT / "bench-data")
+    ap.add_argument("--hub-cache", action="store_true", help="convert from the files laid out as the Hub's cache")
     args = ap.parse_args()
     ckpt = build_checkpoint(args.data / f"qwen3-30b-geometry-{args.layers}l", args.layers)
+    if args.hub_cache:
+        ckpt = hub_cache_view(ckpt)
     files = sorted(ckpt.glob("*.safetensors"))
     source_bytes = sum(f.stat().st_size for f in files)
 
     from mosaic_shatter.checkpoint import Checkpoint
+    from mosaic_shatter.convert import default_workers
     from mosaic_shatter.plan import make_plan
-    bound = make_plan(Checkpoint(str(ckpt))).peak_ram_bytes(2)
+    plan = make_plan(Checkpoint(str(ckpt)))
+    bound = plan.peak_ram_bytes(default_workers(plan))  # the converts below start that many workers
 
     cold = drop_caches()
     n, dt = raw_read(files)
     read_gbs = n / dt / 1e9
     write_gbs = source_bytes / raw_write(args.data / "write-test.bin", source_bytes) / 1e9
-    print(f"source: {source_bytes / 1e9:.2f} GB in {len(files)} shards; page cache {'dropped' if cold else 'WARM'}")
+    layout = "; laid out as the Hub's cache" if args.hub_cache else ""
+    print(f"source: {source_bytes / 1e9:.2f} GB in {len(files)} shards{layout}; page cache {'dropped' if cold else 'WARM'}")
     print(f"raw O_DIRECT read {read_gbs:.2f} GB/s, raw O_DIRECT write {write_gbs:.2f} GB/s (4 MiB requests)")
     print("| quant | seconds | source GB/s | vs raw read | peak RSS | probe's bound |")
     print("|---|---|---|---|---|---|")
