@@ -120,12 +120,13 @@ def test_non_finite_weights_are_refused():
 
 
 ENCODER_SHAPES = [(1, 1, 1), (3, 31, 2), (17, 33, 3), (64, 96, 2), (257, 2048, 2), (5, 7168, 1)]
-ENCODER_KINDS = ["gaussian", "heavy", "mixed-scale", "zeros-and-ties"]
+ENCODER_KINDS = ["gaussian", "heavy", "mixed-scale", "zeros-and-ties", "signed-zeros"]
 
 
 def encoder_weights(rows: int, cols: int, kind: str) -> torch.Tensor:
     """Odd shapes, partial blocks, heavy tails, blocks mixing magnitudes 2^20 apart, all-zero blocks, exact
-    ties (weights on the half-steps of their scale) and values near f16's subnormal range."""
+    ties (weights on the half-steps of their scale), values near f16's subnormal range, and blocks of zeros of
+    both signs (the sign of an all-zero block's scale is whichever zero its extreme is)."""
     g = torch.Generator().manual_seed(rows * 1000 + cols)
     w = torch.randn(rows, cols, generator=g) * 0.02
     if kind == "heavy":
@@ -136,6 +137,9 @@ def encoder_weights(rows: int, cols: int, kind: str) -> torch.Tensor:
     elif kind == "zeros-and-ties":
         w = torch.randint(-16, 16, (rows, cols), generator=g).float() * 2 ** -20  # many exact halves and ties
         w[:, : cols // 3] = 0.0
+    elif kind == "signed-zeros":
+        zeros = torch.where(torch.rand(rows, cols, generator=g) < 0.5, -0.0, 0.0)
+        w = torch.where(torch.rand(rows, 1, generator=g) < 0.7, zeros, w)  # most rows zeros of both signs
     return w
 
 

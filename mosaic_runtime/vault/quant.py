@@ -97,6 +97,7 @@ def quantize_q4_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = _padded_blocks(w)  # [R, nb, 32]
     hi, lo = blocks.amax(-1, keepdim=True), blocks.amin(-1, keepdim=True)  # [R, nb, 1]
     extreme = torch.where(-lo > hi, lo, hi)  # the signed weight of largest magnitude
+    extreme = torch.where(extreme == 0, 0.0, extreme)  # +0 for an all-zero block, whichever zero amax met
     if not torch.isfinite(extreme).all():  # amax/amin propagate nan, so this sees every weight
         raise ValueError("weights contain inf or nan")
     d0 = (extreme / -8.0).to(torch.float16)

@@ -104,7 +104,8 @@ int encode_block(const float* block, uint8_t* codes, uint16_t* scale) {
     lo = std::min(lo, block[k]);
   }
   if (!finite) return static_cast<int>(EncodeStatus::NotFinite);
-  const float extreme = -lo > hi ? lo : hi;  // the signed weight of largest magnitude
+  float extreme = -lo > hi ? lo : hi;  // the signed weight of largest magnitude
+  if (extreme == 0.f) extreme = 0.f;  // +0 for an all-zero block, whichever zero the min and max met
   Fit f0, f1;
   const uint16_t d0 = to_half(extreme / -8.f);
   fit(block, d0, f0);

@@ -85,7 +85,8 @@ MOSAIC_AVX2 inline int encode_block(const __m256* w, uint8_t* codes, uint16_t* s
   if (!_mm256_testz_si256(bad, bad)) return static_cast<int>(EncodeStatus::NotFinite);
   const float hi = reduce_max(_mm256_max_ps(_mm256_max_ps(w[0], w[1]), _mm256_max_ps(w[2], w[3])));
   const float lo = reduce_min(_mm256_min_ps(_mm256_min_ps(w[0], w[1]), _mm256_min_ps(w[2], w[3])));
-  const float extreme = -lo > hi ? lo : hi;  // the signed weight of largest magnitude
+  float extreme = -lo > hi ? lo : hi;  // the signed weight of largest magnitude
+  if (extreme == 0.f) extreme = 0.f;  // +0 for an all-zero block, whichever zero the min and max met
   Fit f0, f1;
   const uint16_t d0 = to_half(extreme / -8.f);
   fit(w, d0, f0);

@@ -6,9 +6,12 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 
 #include "encode_q4_block.h"
 #include "mosaic/encode.h"
+#include "mosaic/kernels.h"
 #include "simd_avx512.h"
 
 namespace mosaic::detail {
@@ -72,7 +75,8 @@ MOSAIC_AVX512 inline int encode_block(__m512 w0, __m512 w1, uint8_t* codes, uint
   const __mmask16 bad1 = _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(w1), exp_mask), exp_mask);
   if (bad0 | bad1) return static_cast<int>(EncodeStatus::NotFinite);
   const float hi = _mm512_reduce_max_ps(_mm512_max_ps(w0, w1)), lo = _mm512_reduce_min_ps(_mm512_min_ps(w0, w1));
-  const float extreme = -lo > hi ? lo : hi;  // the signed weight of largest magnitude
+  float extreme = -lo > hi ? lo : hi;  // the signed weight of largest magnitude
+  if (extreme == 0.f) extreme = 0.f;  // +0 for an all-zero block, whichever zero the min and max met
   Fit f0, f1;
   const uint16_t d0 = to_half(extreme / -8.f);
   fit(w0, w1, d0, f0);
@@ -90,10 +94,118 @@ MOSAIC_AVX512 inline int encode_block(__m512 w0, __m512 w1, uint8_t* codes, uint
   return static_cast<int>((d & 0x7C00u) == 0x7C00u ? EncodeStatus::ScaleOverflow : EncodeStatus::Ok);
 }
 
+// --- Sixteen blocks at once, a block in each lane ------------------------------------------------------
+// encode_block spends most of its time in horizontal steps (a max, a min, four float64 sums, the scale's
+// division and conversions, each through scalar code). Here a vector holds one element of 16 blocks, so every
+// step is vertical and the 16 blocks' scales are computed together: the same operations lane by lane and
+// the float32 sum of q * q exact (integers up to 2048), so the bytes are the scalar block's.
+constexpr int kLaneBlocks = 16;
+
+struct LaneFit {
+  __m512 inv;           // 1 / d, or 0 where d is 0
+  __m512d qw[2], err[2];  // blocks 0-7 and 8-15
+  __m512d qq[2];
+};
+
+MOSAIC_AVX512 inline __m512d lo_pd(__m512 v) { return _mm512_cvtps_pd(_mm512_castps512_ps256(v)); }
+MOSAIC_AVX512 inline __m512d hi_pd(__m512 v) { return _mm512_cvtps_pd(upper_half(v)); }
+
+MOSAIC_AVX512 inline void lane_fit(const __m512* v, __m256i d, LaneFit& f) {
+  const __m512 d32 = _mm512_cvtph_ps(d);
+  f.inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(d32, _mm512_setzero_ps(), _CMP_NEQ_UQ), _mm512_set1_ps(1.f), d32);
+  __m512d qw0 = _mm512_setzero_pd(), qw1 = _mm512_setzero_pd();
+  __m512 qq = _mm512_setzero_ps();
+  for (int k = 0; k < kQ4; ++k) {
+    const __m512 q = codes_of(v[k], f.inv);
+    qq = _mm512_add_ps(qq, _mm512_mul_ps(q, q));
+    qw0 = _mm512_add_pd(qw0, _mm512_mul_pd(lo_pd(q), lo_pd(v[k])));
+    qw1 = _mm512_add_pd(qw1, _mm512_mul_pd(hi_pd(q), hi_pd(v[k])));
+  }
+  f.qw[0] = qw0, f.qw[1] = qw1, f.qq[0] = lo_pd(qq), f.qq[1] = hi_pd(qq);
+  const __m512d two = _mm512_set1_pd(2.0);
+  for (int h = 0; h < 2; ++h) {
+    const __m512d d64 = h ? hi_pd(d32) : lo_pd(d32);
+    f.err[h] = _mm512_sub_pd(_mm512_mul_pd(_mm512_mul_pd(d64, d64), f.qq[h]), _mm512_mul_pd(_mm512_mul_pd(two, d64), f.qw[h]));
+  }
+}
+
+// Blocks [0, 16) of `row` (512 columns, all present): their codes and scales, or false (nothing written) if
+// any weight is not finite, which encode_block then reports block by block.
+template <typename T>
+MOSAIC_AVX512 bool encode_lane_blocks(const T* row, uint8_t* codes, uint16_t* scales, int& status) {
+  alignas(64) float blocks[kLaneBlocks * kQ4];  // block b's element k at 32 b + k
+  for (int b = 0; b < kLaneBlocks; ++b) {
+    _mm512_store_ps(blocks + b * kQ4, load16(row, b * kQ4, kLaneBlocks * kQ4));
+    _mm512_store_ps(blocks + b * kQ4 + 16, load16(row, b * kQ4 + 16, kLaneBlocks * kQ4));
+  }
+  const __m512i lane_at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(kQ4));
+  __m512 v[kQ4];  // element k of every block
+  const __m512i exp_mask = _mm512_set1_epi32(0x7F800000);
+  __mmask16 bad = 0;
+  for (int k = 0; k < kQ4; ++k) {
+    v[k] = _mm512_i32gather_ps(_mm512_add_epi32(lane_at, _mm512_set1_epi32(k)), blocks, 4);
+    bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v[k]), exp_mask), exp_mask);
+  }
+  if (bad) return false;
+  __m512 hi = v[0], lo = v[0];
+  for (int k = 1; k < kQ4; ++k) hi = _mm512_max_ps(hi, v[k]), lo = _mm512_min_ps(lo, v[k]);
+  const __m512 neg_lo = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(lo), _mm512_set1_epi32(INT32_MIN)));
+  __m512 extreme = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(neg_lo, hi, _CMP_GT_OQ), hi, lo);
+  extreme = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(extreme, _mm512_setzero_ps(), _CMP_NEQ_UQ), extreme);  // +0
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m256i d0 = _mm512_cvtps_ph(_mm512_div_ps(extreme, _mm512_set1_ps(-8.f)), kNearest);
+  LaneFit f0, f1;
+  lane_fit(v, d0, f0);
+  const __m512d one = _mm512_set1_pd(1.0);
+  const __m256 r0 = _mm512_cvtpd_ps(_mm512_div_pd(f0.qw[0], _mm512_max_pd(f0.qq[0], one)));
+  const __m256 r1 = _mm512_cvtpd_ps(_mm512_div_pd(f0.qw[1], _mm512_max_pd(f0.qq[1], one)));
+  const __m512 refit = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(r0)), _mm256_castps_pd(r1), 1));
+  const __m256i d1 = _mm512_cvtps_ph(refit, kNearest);
+  lane_fit(v, d1, f1);
+  const __mmask16 better = static_cast<__mmask16>(_mm512_cmp_pd_mask(f1.err[0], f0.err[0], _CMP_LT_OQ) |
+                                                  (_mm512_cmp_pd_mask(f1.err[1], f0.err[1], _CMP_LT_OQ) << 8));
+  const __m256i d = _mm256_mask_blend_epi16(better, d0, d1);
+  const __m512 inv = _mm512_mask_blend_ps(better, f0.inv, f1.inv);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(scales), d);
+  const __m256i exp_half = _mm256_set1_epi16(0x7C00);
+  if (_mm256_cmpeq_epi16_mask(_mm256_and_si256(d, exp_half), exp_half))
+    status = std::max(status, static_cast<int>(EncodeStatus::ScaleOverflow));
+  // Byte i of a block is code i | code i + 16 << 4, each plus 8: four bytes of every block a dword vector,
+  // then the four vectors interleaved so that each 128-bit lane holds one block's 16 bytes.
+  const __m512i eight = _mm512_set1_epi32(8);
+  __m512i dw[4];
+  for (int j = 0; j < 4; ++j) {
+    dw[j] = _mm512_setzero_si512();
+    for (int i = 4 * j; i < 4 * j + 4; ++i) {
+      const __m512i byte = _mm512_or_si512(_mm512_add_epi32(_mm512_cvtps_epi32(codes_of(v[i], inv)), eight),
+                                           _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(codes_of(v[i + 16], inv)), eight), 4));
+      dw[j] = _mm512_or_si512(dw[j], _mm512_slli_epi32(byte, 8 * (i - 4 * j)));
+    }
+  }
+  const __m512i a = _mm512_unpacklo_epi32(dw[0], dw[1]), b = _mm512_unpackhi_epi32(dw[0], dw[1]);
+  const __m512i c = _mm512_unpacklo_epi32(dw[2], dw[3]), e = _mm512_unpackhi_epi32(dw[2], dw[3]);
+  const __m512i rows4[4] = {_mm512_unpacklo_epi64(a, c), _mm512_unpackhi_epi64(a, c), _mm512_unpacklo_epi64(b, e),
+                            _mm512_unpackhi_epi64(b, e)};  // rows4[r], 128-bit lane q: block 4 q + r
+  for (int r = 0; r < 4; ++r) {
+    alignas(64) uint8_t lanes[64];
+    _mm512_store_si512(lanes, rows4[r]);
+    for (int q = 0; q < 4; ++q) std::memcpy(codes + (4 * q + r) * 16, lanes + 16 * q, 16);
+  }
+  return true;
+}
+
 template <typename T>
 MOSAIC_AVX512 int encode_row(const T* row, int cols, uint8_t* codes, uint16_t* scales) {
   int status = static_cast<int>(EncodeStatus::Ok);
-  for (int b = 0, c0 = 0; c0 < cols; ++b, c0 += 32)
+  int b = 0, c0 = 0;
+  for (; c0 + kLaneBlocks * kQ4 <= cols; c0 += kLaneBlocks * kQ4, b += kLaneBlocks) {
+    if (encode_lane_blocks(row + c0, codes + b * 16, scales + b, status)) continue;
+    for (int j = 0; j < kLaneBlocks; ++j)  // a weight not finite: block by block, as below
+      status = std::max(status, encode_block(load16(row, c0 + j * kQ4, cols), load16(row, c0 + j * kQ4 + 16, cols),
+                                             codes + (b + j) * 16, scales + b + j));
+  }
+  for (; c0 < cols; ++b, c0 += kQ4)
     status = std::max(status, encode_block(load16(row, c0, cols), load16(row, c0 + 16, cols), codes + b * 16,
                                            scales + b));
   return status;
