@@ -140,7 +140,8 @@ def main() -> None:
     read_gbs = n / dt / 1e9
     write_gbs = source_bytes / raw_write(args.data / "write-test.bin", source_bytes) / 1e9
     layout = "; laid out as the Hub's cache" if args.hub_cache else ""
-    print(f"source: {source_bytes / 1e9:.2f} GB in {len(files)} shards{layout}; page cache {'dropped' if cold else 'WARM'}")
+    cache = "dropped" if cold else "WARM"
+    print(f"source: {source_bytes / 1e9:.2f} GB in {len(files)} shards{layout}; page cache {cache}")
     print(f"raw O_DIRECT read {read_gbs:.2f} GB/s, raw O_DIRECT write {write_gbs:.2f} GB/s (4 MiB requests)")
     print("| quant | seconds | source GB/s | vs raw read | peak RSS | probe's bound |")
     print("|---|---|---|---|---|---|")

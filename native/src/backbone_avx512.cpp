@@ -34,7 +34,8 @@ MOSAIC_AVX512 void bf16_row(const uint16_t* w, int cols, const float* x, int ldx
     const __mmask16 m = static_cast<__mmask16>((1u << (cols - c)) - 1);
     __m512 wv[NR];
     for (int i = 0; i < NR; ++i)
-      wv[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w + i * cols + c)), 16));
+      wv[i] = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, w + i * cols + c)), 16));
     for (int t = 0; t < NT; ++t) {
       const __m512 xv = _mm512_maskz_loadu_ps(m, x + t * ldx + c);
       for (int i = 0; i < NR; ++i) acc[i][t] = _mm512_fmadd_ps(wv[i], xv, acc[i][t]);

@@ -57,10 +57,11 @@ inline void for_tokens(int nt, F&& f) {
 }
 
 // f(r, nr, t0, nt) for every group of nr <= row_group rows from r (groups start at multiples of row_group)
-// and every tile of nt <= kRowTokens tokens from t0, the rows split over threads. A prompt's tokens go in blocks whose activations (cols floats a token) stay in L2, each block
-// through every row before the next: row by row over all tokens re-read a 512-token prompt's 4 MB of
-// activations from memory for every row (a router's bf16 rows ran at 17 GMAC/s on two threads). The tiles
-// are the same as without blocks, so the sums are too.
+// and every tile of nt <= kRowTokens tokens from t0, the rows split over threads. A prompt's tokens go in
+// blocks whose activations (cols floats a token) stay in L2, each block through every row before the next:
+// row by row over all tokens re-read a 512-token prompt's 4 MB of activations from memory for every row (a
+// router's bf16 rows ran at 17 GMAC/s on two threads). The tiles are the same as without blocks, so the
+// sums are too.
 template <typename F>
 inline void for_row_tiles(int rows, int cols, int n, int threads, int row_group, F&& f) {
   const int block = prefill_token_block(static_cast<size_t>(cols) * sizeof(float), kRowTokens);

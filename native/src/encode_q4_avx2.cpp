@@ -136,7 +136,8 @@ MOSAIC_AVX2 inline void lane_fit(const __m256* v, __m128i d, LaneFit& f) {
   const __m256d two = _mm256_set1_pd(2.0);
   for (int h = 0; h < 2; ++h) {
     const __m256d d64 = h ? hi_pd(d32) : lo_pd(d32);
-    f.err[h] = _mm256_sub_pd(_mm256_mul_pd(_mm256_mul_pd(d64, d64), f.qq[h]), _mm256_mul_pd(_mm256_mul_pd(two, d64), f.qw[h]));
+    f.err[h] = _mm256_sub_pd(_mm256_mul_pd(_mm256_mul_pd(d64, d64), f.qq[h]),
+                             _mm256_mul_pd(_mm256_mul_pd(two, d64), f.qw[h]));
   }
 }
 
@@ -187,8 +188,9 @@ MOSAIC_AVX2 bool encode_lane_blocks(const T* row, uint8_t* codes, uint16_t* scal
   for (int j = 0; j < 4; ++j) {
     dw[j] = _mm256_setzero_si256();
     for (int i = 4 * j; i < 4 * j + 4; ++i) {
-      const __m256i byte = _mm256_or_si256(_mm256_add_epi32(_mm256_cvtps_epi32(codes_of(v[i], inv)), eight),
-                                           _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(codes_of(v[i + 16], inv)), eight), 4));
+      const __m256i low = _mm256_add_epi32(_mm256_cvtps_epi32(codes_of(v[i], inv)), eight);
+      const __m256i high = _mm256_add_epi32(_mm256_cvtps_epi32(codes_of(v[i + 16], inv)), eight);
+      const __m256i byte = _mm256_or_si256(low, _mm256_slli_epi32(high, 4));
       dw[j] = _mm256_or_si256(dw[j], _mm256_slli_epi32(byte, 8 * (i - 4 * j)));
     }
   }

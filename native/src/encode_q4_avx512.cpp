@@ -125,7 +125,8 @@ MOSAIC_AVX512 inline void lane_fit(const __m512* v, __m256i d, LaneFit& f) {
   const __m512d two = _mm512_set1_pd(2.0);
   for (int h = 0; h < 2; ++h) {
     const __m512d d64 = h ? hi_pd(d32) : lo_pd(d32);
-    f.err[h] = _mm512_sub_pd(_mm512_mul_pd(_mm512_mul_pd(d64, d64), f.qq[h]), _mm512_mul_pd(_mm512_mul_pd(two, d64), f.qw[h]));
+    f.err[h] = _mm512_sub_pd(_mm512_mul_pd(_mm512_mul_pd(d64, d64), f.qq[h]),
+                             _mm512_mul_pd(_mm512_mul_pd(two, d64), f.qw[h]));
   }
 }
 
@@ -160,7 +161,8 @@ MOSAIC_AVX512 bool encode_lane_blocks(const T* row, uint8_t* codes, uint16_t* sc
   const __m512d one = _mm512_set1_pd(1.0);
   const __m256 r0 = _mm512_cvtpd_ps(_mm512_div_pd(f0.qw[0], _mm512_max_pd(f0.qq[0], one)));
   const __m256 r1 = _mm512_cvtpd_ps(_mm512_div_pd(f0.qw[1], _mm512_max_pd(f0.qq[1], one)));
-  const __m512 refit = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(r0)), _mm256_castps_pd(r1), 1));
+  const __m512 refit =
+      _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(r0)), _mm256_castps_pd(r1), 1));
   const __m256i d1 = _mm512_cvtps_ph(refit, kNearest);
   lane_fit(v, d1, f1);
   const __mmask16 better = static_cast<__mmask16>(_mm512_cmp_pd_mask(f1.err[0], f0.err[0], _CMP_LT_OQ) |
@@ -178,8 +180,9 @@ MOSAIC_AVX512 bool encode_lane_blocks(const T* row, uint8_t* codes, uint16_t* sc
   for (int j = 0; j < 4; ++j) {
     dw[j] = _mm512_setzero_si512();
     for (int i = 4 * j; i < 4 * j + 4; ++i) {
-      const __m512i byte = _mm512_or_si512(_mm512_add_epi32(_mm512_cvtps_epi32(codes_of(v[i], inv)), eight),
-                                           _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(codes_of(v[i + 16], inv)), eight), 4));
+      const __m512i low = _mm512_add_epi32(_mm512_cvtps_epi32(codes_of(v[i], inv)), eight);
+      const __m512i high = _mm512_add_epi32(_mm512_cvtps_epi32(codes_of(v[i + 16], inv)), eight);
+      const __m512i byte = _mm512_or_si512(low, _mm512_slli_epi32(high, 4));
       dw[j] = _mm512_or_si512(dw[j], _mm512_slli_epi32(byte, 8 * (i - 4 * j)));
     }
   }

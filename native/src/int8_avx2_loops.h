@@ -253,7 +253,8 @@ MOSAIC_INT8_TARGET void row_tile_codes(const MatvecArgs& a, int r0, int rows, in
   const detail::NextTile next(a.codes, a.scales, row_bytes, blocks * sizeof(Scale), r0 + kLaneRows, kLaneRows, a.rows,
                               blocks);
   for (int b = 0; b < blocks; ++b) {
-    for (size_t l = next.lines_before(b), e = next.lines_before(b + 1); l < e; ++l) _mm_prefetch(next.line(l), _MM_HINT_T1);
+    for (size_t l = next.lines_before(b), e = next.lines_before(b + 1); l < e; ++l)
+      _mm_prefetch(next.line(l), _MM_HINT_T1);
     const __m256i a0 = load(0, b), a1 = load(1, b), a2 = load(2, b), a3 = load(3, b);
     const __m256i t0 = _mm256_unpacklo_epi32(a0, a1), t1 = _mm256_unpackhi_epi32(a0, a1);
     const __m256i t2 = _mm256_unpacklo_epi32(a2, a3), t3 = _mm256_unpackhi_epi32(a2, a3);

@@ -397,7 +397,8 @@ MOSAIC_VNNI void row_tile_codes(const MatvecArgs& a, int r0, int rows, int block
   const detail::NextTile next(a.codes, a.scales, row_bytes, blocks * sizeof(Scale), r0 + kLaneRows, kLaneRows, a.rows,
                               blocks);
   for (int b = 0; b < blocks; ++b) {
-    for (size_t l = next.lines_before(b), e = next.lines_before(b + 1); l < e; ++l) _mm_prefetch(next.line(l), _MM_HINT_T1);
+    for (size_t l = next.lines_before(b), e = next.lines_before(b + 1); l < e; ++l)
+      _mm_prefetch(next.line(l), _MM_HINT_T1);
     int32_t* w = out.codes.data() + static_cast<size_t>(b) * 8 * kLaneRows;
     for (int h = 0; h < 2; ++h) {
       const uint8_t* at = base + b * kQ4Bytes + 8 * h;
