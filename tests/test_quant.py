@@ -220,14 +220,18 @@ def test_native_fp8_rounding_is_torchs_on_every_kind_of_value():
     assert (got[1] == 1).all() and torch.equal(got[0], want[0])
 
 
-def test_native_q4_encoder_refuses_what_the_reference_refuses():
+@pytest.mark.parametrize("cols", [64, 600])  # blocks one at a time; sixteen (or eight) at once where a row has them
+def test_native_q4_encoder_refuses_what_the_reference_refuses(cols):
     from mosaic_runtime.vault import quant
-    w = torch.ones(4, 64)
-    w[2, 40] = float("inf")
+    w = torch.ones(4, cols)
+    w[2, cols // 2] = float("inf")
     with pytest.raises(ValueError, match="inf or nan"):
         quant.quantize_q4(w)
+    w[2, cols // 2] = float("nan")
+    with pytest.raises(ValueError, match="inf or nan"):
+        quant.quantize_q4(w.to(torch.bfloat16))
     with pytest.raises(ValueError, match="f16 range"):
-        quant.quantize_q4(torch.full((2, 32), 1e6))
+        quant.quantize_q4(torch.full((2, cols), 1e6))
     with pytest.raises(ValueError, match="f16 range"):
         quant.quantize_q4_reference(torch.full((2, 32), 1e6))
 
