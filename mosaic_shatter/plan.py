@@ -114,10 +114,10 @@ class Plan:
     def backbone_bytes(self) -> int:
         return sum(t.nbytes for t in self.backbone)
 
-    def workers_for(self, memory: int, cores: int) -> int:
-        """Encoding threads for a convert: `cores` of them (the threads it may run), no more than
-        peak_ram_bytes fits in `memory` (at least one: the smallest convert is what it is)."""
-        workers = max(1, cores)
+    def workers_for(self, memory: int, threads: int) -> int:
+        """Encoding threads for a convert: `threads` of them, fewer where peak_ram_bytes would not fit in
+        `memory` (at least one: the smallest convert is what it is)."""
+        workers = max(1, threads)
         while workers > 1 and self.peak_ram_bytes(workers) > memory:
             workers -= 1
         return workers
