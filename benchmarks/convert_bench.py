@@ -14,7 +14,6 @@ their SHA-256), where convert takes the lineage's hashes from the blob names ins
 from __future__ import annotations
 
 import argparse
-import hashlib
 import mmap
 import os
 import subprocess
@@ -42,12 +41,9 @@ def hub_cache_view(ckpt: Path) -> Path:
     blobs, partial = root / "blobs", root / "snapshots" / "partial"
     blobs.mkdir(parents=True, exist_ok=True)
     partial.mkdir(parents=True, exist_ok=True)
+    from mosaic_shatter.convert import _sha256  # the lineage's hash of a file
     for f in sorted(p for p in ckpt.iterdir() if p.is_file()):
-        h = hashlib.sha256()
-        with open(f, "rb") as src:
-            while chunk := src.read(8 << 20):
-                h.update(chunk)
-        blob = blobs / h.hexdigest()
+        blob = blobs / _sha256(f)
         if not blob.exists():
             os.link(f, blob)
         link = partial / f.name
