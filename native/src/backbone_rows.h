@@ -66,14 +66,6 @@ template <typename F>
 inline void for_row_tiles(int rows, int cols, int n, int threads, int row_group, F&& f) {
   const int block = prefill_token_block(static_cast<size_t>(cols) * sizeof(float), kRowTokens);
   const int groups = (rows + row_group - 1) / row_group;
-  if (n <= block) {  // a decode step or a short prompt: one block
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int g = 0; g < groups; ++g) {
-      const int r = g * row_group, nr = std::min(row_group, rows - r);
-      for (int t0 = 0; t0 < n; t0 += kRowTokens) f(r, nr, t0, std::min(kRowTokens, n - t0));
-    }
-    return;
-  }
   // One parallel region, each thread its share of the rows through every block: a region (a fork and a
   // join) a block cost more than a small matrix's arithmetic (a shared expert's one-row gate, 1.4 ms for
   // 512 tokens).
