@@ -174,17 +174,8 @@ class Checkpoint:
     def tokenizer_files(self) -> list[Path]:
         return [self.directory / n for n in TOKENIZER_FILES if (self.directory / n).is_file()]
 
-    def read(self, name: str, index: tuple = ()) -> torch.Tensor:
-        """A tensor, or a contiguous part of it, read with pread into fresh memory.
-
-        Args:
-            index: leading-dimension selection, integers optionally followed by one step-1 slice,
-                e.g. (3,) for expert 3 of a fused [E, ...] tensor, (3, slice(0, I)) for its first I
-                rows, (slice(r0, r1),) for a chunk of rows. Every such selection is one byte range.
-
-        pread rather than mmap: pages of a mapped shard count towards the process's resident set
-        until the whole shard is unmapped, so converting through mmap grows with the shard size.
-        """
+    def _span(self, name: str, index: tuple) -> tuple[TensorInfo, int, list[int], int]:
+        """(info, first byte, shape, byte count) of a tensor or of the part of it `index` selects (read())."""
         info = self.tensors[name]
         shape, at = list(info.shape), info.begin
         itemsize = DTYPE_BYTES[info.dtype]
@@ -207,6 +198,32 @@ class Checkpoint:
         nbytes = itemsize
         for s in shape:
             nbytes *= s
+        return info, at, shape, nbytes
+
+    def will_need(self, name: str, index: tuple = ()) -> None:
+        """Ask the kernel to start reading what read(name, index) will read (posix_fadvise WILLNEED): it
+        returns at once, and the disk keeps working while every encoder is busy computing."""
+        info, at, _, nbytes = self._span(name, index)
+        if nbytes == 0 or not hasattr(os, "posix_fadvise"):  # macOS has no fadvise
+            return
+        fd = os.open(info.file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, at, nbytes, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
+
+    def read(self, name: str, index: tuple = ()) -> torch.Tensor:
+        """A tensor, or a contiguous part of it, read with pread into fresh memory.
+
+        Args:
+            index: leading-dimension selection, integers optionally followed by one step-1 slice,
+                e.g. (3,) for expert 3 of a fused [E, ...] tensor, (3, slice(0, I)) for its first I
+                rows, (slice(r0, r1),) for a chunk of rows. Every such selection is one byte range.
+
+        pread rather than mmap: pages of a mapped shard count towards the process's resident set
+        until the whole shard is unmapped, so converting through mmap grows with the shard size.
+        """
+        info, at, shape, nbytes = self._span(name, index)
         buf = torch.empty(nbytes, dtype=torch.uint8)  # not zero-filled: every byte is read into it
         view, done = memoryview(buf.numpy()), 0
         fd = os.open(info.file, os.O_RDONLY)

@@ -31,7 +31,7 @@ from mosaic_runtime.vault.format import (BACKBONE_FILE, FP8_BLOCK, MXFP4_BLOCK, 
 
 from . import __version__
 from .checkpoint import Checkpoint, CheckpointError
-from .encode import encode_expert
+from .encode import encode_expert, will_need
 from .plan import Plan, make_plan
 from .precision import MixedPrecision
 from .write_backbone import write_backbone
@@ -250,6 +250,9 @@ def convert(source: str, out: str | os.PathLike, quant: str, *, revision: str | 
                     unjournaled.clear()
 
             for i in todo:
+                # Its bytes start coming in now, while the workers encode the experts ahead of it: a worker
+                # reading for itself left the disk idle whenever every worker was computing.
+                will_need(ckpt, plan.experts[keys[i]])
                 # a low-bit record is always re-quantised: no source holds its codes
                 window.append((i, pool.submit(encode_expert, ckpt, plan.experts[keys[i]], layouts[i],
                                               passthrough and layouts[i].quant is qtype)))

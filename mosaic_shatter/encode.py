@@ -21,6 +21,15 @@ _QUANTIZE = {QuantType.Q4_G32: lambda w: quantize_q4(w, threads=1),
              QuantType.Q2_G32: lambda w: quantize_low_bit(w, QuantType.Q2_G32)}
 
 
+def will_need(ckpt: Checkpoint, sources: dict[str, ProjectionSource]) -> None:
+    """Start the disk on what encode_expert(ckpt, sources, ...) will read: its weights and biases (the scales
+    are small). Each byte range once: gate and up may share one interleaved tensor."""
+    spans = {(src.tensor, repr(src.index)): (src.tensor, src.index) for src in sources.values()}
+    spans |= {(src.bias, repr(src.index)): (src.bias, src.index) for src in sources.values() if src.bias}
+    for name, index in spans.values():
+        ckpt.will_need(name, index)
+
+
 def encode_expert(ckpt: Checkpoint, sources: dict[str, ProjectionSource], layout: RecordLayout,
                   passthrough: bool) -> bytearray:
     """The record bytes of one expert.

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -20,6 +21,7 @@ from mosaic_runtime.vault import Reason, VaultError, open_vault
 from mosaic_runtime.vault.format import BACKBONE_FILE, FP8_E4M3_MAX, VAULT_FILE
 from mosaic_runtime.vault.quant import dequantize_fp8
 from mosaic_runtime.vault.record import unpack_record
+from mosaic_shatter.checkpoint import Checkpoint
 from mosaic_shatter.convert import ConvertError, convert
 from test_quant import q4_0_block_error
 
@@ -59,6 +61,33 @@ def test_both_expert_layouts_give_identical_records(converted, quant):
         assert a.layout == b.layout and a.arch == b.arch  # the lineage differs: it names the source
         for key in a.entries:
             assert a.read_record(*key) == b.read_record(*key)
+
+
+@pytest.mark.parametrize("layout", ["per-expert", "fused"])
+def test_every_expert_read_is_announced_to_the_kernel_first(tiny_dirs, tmp_path, monkeypatch, layout):
+    """convert asks the kernel (posix_fadvise WILLNEED) for each expert's bytes before a worker reads them,
+    so the disk reads ahead while every worker computes."""
+    lock, announced, unannounced = threading.Lock(), set(), []
+    fadvise, read = os.posix_fadvise, Checkpoint.read
+
+    def recording_fadvise(fd, offset, length, advice):
+        if advice == os.POSIX_FADV_WILLNEED:
+            with lock:
+                announced.add((os.readlink(f"/proc/self/fd/{fd}"), offset, length))
+        return fadvise(fd, offset, length, advice)
+
+    def checked_read(self, name, index=()):
+        info, at, _, nbytes = self._span(name, index)
+        if ".experts." in name:
+            with lock:
+                if (str(info.file.resolve()), at, nbytes) not in announced:
+                    unannounced.append((name, index))
+        return read(self, name, index)
+
+    monkeypatch.setattr(os, "posix_fadvise", recording_fadvise)
+    monkeypatch.setattr(Checkpoint, "read", checked_read)
+    convert(str(tiny_dirs[layout]), tmp_path / "out", "q4", progress=False)
+    assert announced and not unannounced
 
 
 def test_backbone_holds_everything_but_routed_experts(tiny_dirs, converted):
