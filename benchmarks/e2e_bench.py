@@ -18,6 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import mosaic_runtime  # noqa: E402,F401  before torch: the OpenMP settings the engine runs with (README)
 from benchmarks.convert_bench import build_checkpoint, drop_caches, peak_rss  # noqa: E402
 from benchmarks.memlimit import run_worker  # noqa: E402
 

@@ -23,10 +23,11 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import mosaic_runtime  # noqa: E402,F401  before torch: the OpenMP settings the engine runs with (README)
+import torch  # noqa: E402
+
 sys.path.insert(0, str(ROOT / "tests"))
 from builders import tiny_hybrid  # noqa: E402
 

@@ -51,6 +51,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+if sys.argv[1:3] == ["--worker", "mosaic"]:  # a Mosaic run gets the OpenMP settings its users get (README);
+    import mosaic_runtime  # noqa: E402,F401  they only count before torch loads. llama.cpp's runs keep their own.
 from benchmarks.convert_bench import drop_caches  # noqa: E402
 from benchmarks.geometries import LAYERS, build  # noqa: E402
 from benchmarks.memlimit import run_worker  # noqa: E402

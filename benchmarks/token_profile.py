@@ -20,6 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import mosaic_runtime  # noqa: E402,F401  before torch: the OpenMP settings the engine runs with (README)
 from benchmarks.peer_bench import bandwidth, mosaic_token_bytes, token_stream  # noqa: E402
 
 

@@ -2,6 +2,9 @@
 
 import errno
 import os
+import re
+import subprocess
+import sys
 import tracemalloc
 
 import pytest
@@ -526,3 +529,15 @@ def test_a_backbone_that_does_not_fit_says_what_would():
     with pytest.raises(ValueError, match=r"backbone and the sequence state take 32\.00 GiB.*backbone='int8' or 'q4'"):
         ring_slots(vault, None, 32 << 30, limit)
     assert ring_slots(vault, None, 11 << 30, limit) > 8  # the q4 backbone leaves a ring
+
+
+@pytest.mark.parametrize("user, spins", [({}, "10000"), ({"OMP_WAIT_POLICY": "ACTIVE"}, "30000000000"),
+                                         ({"GOMP_SPINCOUNT": "500"}, "500")])
+def test_openmp_threads_spin_briefly_unless_the_user_chose(user, spins):
+    """Importing mosaic_runtime before torch sets how long libgomp's idle threads spin (its own report,
+    OMP_DISPLAY_ENV, read when torch loads it); a policy or spin count the user set is kept as is."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update(user, OMP_DISPLAY_ENV="VERBOSE")
+    out = subprocess.run([sys.executable, "-c", "import mosaic_runtime, torch; torch.zeros(1)"], env=env,
+                         capture_output=True, text=True, check=True)
+    assert re.search(r"GOMP_SPINCOUNT = '(\d+)'", out.stderr).group(1) == spins
