@@ -9,18 +9,21 @@ import subprocess
 from pathlib import Path
 
 
-def run_worker(cmd: list[str], limit: int | None = None, timeout: float | None = None) -> dict:
+def run_worker(cmd: list[str], limit: int | None = None, timeout: float | None = None,
+               env: dict[str, str] | None = None) -> dict:
     """The last stdout line of `cmd` as JSON; under a limit, with the group's peak usage added
-    (`cgroup_max_usage`). A worker that fails raises RuntimeError with the end of its stderr."""
+    (`cgroup_max_usage`). A worker that fails raises RuntimeError with the end of its stderr. env: the
+    worker's environment (default: this process's)."""
     if limit is None:
-        return _last_json(subprocess.run(cmd, capture_output=True, text=True, timeout=timeout))
+        return _last_json(subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env))
     cg_line = next(line for line in Path("/proc/self/cgroup").read_text().splitlines() if ":memory:" in line)
     cg = Path("/sys/fs/cgroup/memory" + cg_line.split(":")[2]) / "mosaic-bench"
     cg.mkdir(exist_ok=True)
     try:
         (cg / "memory.limit_in_bytes").write_text(str(limit))
         shell = f"echo $$ > {cg}/cgroup.procs; exec " + shlex.join(cmd)
-        out = _last_json(subprocess.run(["bash", "-c", shell], capture_output=True, text=True, timeout=timeout))
+        out = _last_json(subprocess.run(["bash", "-c", shell], capture_output=True, text=True, timeout=timeout,
+                                        env=env))
         out["cgroup_max_usage"] = int((cg / "memory.max_usage_in_bytes").read_text())
         return out
     finally:

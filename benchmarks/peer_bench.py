@@ -51,6 +51,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+# The environment as the user gave it, for every worker: importing mosaic_runtime here (the bandwidth probe)
+# sets OpenMP variables that llama.cpp's OpenMP threads would otherwise inherit (passive waiting slowed its
+# decode by a third), and each engine should run with its own defaults.
+USER_ENV = dict(os.environ)
 if sys.argv[1:3] == ["--worker", "mosaic"]:  # a Mosaic run gets the OpenMP settings its users get (README);
     import mosaic_runtime  # noqa: E402,F401  they only count before torch loads. llama.cpp's runs keep their own.
 from benchmarks.convert_bench import drop_caches  # noqa: E402
@@ -348,7 +352,7 @@ def main() -> None:
                 drop_caches()
                 cmd = [sys.executable, __file__, "--worker", kind, json.dumps(spec)]
                 try:
-                    runs.setdefault(name, []).append(run_worker(cmd, limit, timeout=900))
+                    runs.setdefault(name, []).append(run_worker(cmd, limit, timeout=900, env=USER_ENV))
                 except RuntimeError as e:  # the peer crashing is a result; Mosaic crashing is a bug
                     if kind != "llama":
                         raise
