@@ -213,8 +213,7 @@ constexpr int kLaneRows = 8;
 
 struct RowTile {
   std::vector<int32_t> codes;  // [blocks][8 groups][8 rows]: four unsigned codes (w + zero) a dword
-  std::vector<float> d;        // [blocks][8 rows]: weight scales (MXFP4's halved: its codes are doubled)
-  std::vector<float> rows_d;   // [8 rows][groups * 8]: the scales as converted, before their transpose
+  std::vector<float> d;        // [groups * 8 blocks][8 rows]: weight scales (MXFP4's halved: its codes are doubled)
 };
 
 // Rows [r0, r0 + rows) as a RowTile: a block's 16 code bytes of each row transposed four at a time (rows r
@@ -227,8 +226,7 @@ MOSAIC_INT8_TARGET void row_tile_codes(const MatvecArgs& a, int r0, int rows, in
                                        RowTile& out) {
   const auto* scales = static_cast<const Scale*>(a.scales);
   out.codes.resize(static_cast<size_t>(blocks) * 8 * kLaneRows);
-  out.d.resize(static_cast<size_t>(blocks) * kLaneRows);
-  out.rows_d.resize(static_cast<size_t>(kLaneRows) * groups * kInt8Group);
+  out.d.resize(static_cast<size_t>(groups) * kInt8Group * kLaneRows);  // whole groups: the transpose writes 8 blocks
   const size_t row_bytes = static_cast<size_t>(blocks) * kQ4Bytes;
   const uint8_t* row[kLaneRows];
   for (int i = 0; i < kLaneRows; ++i) row[i] = a.codes + static_cast<uint64_t>(r0 + (i < rows ? i : 0)) * row_bytes;
@@ -236,14 +234,13 @@ MOSAIC_INT8_TARGET void row_tile_codes(const MatvecArgs& a, int r0, int rows, in
   // 2 * e2m1 + 12 by code, in each 128-bit lane for vpshufb
   const __m256i table = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
                                          12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
-  const size_t d_stride = static_cast<size_t>(groups) * kInt8Group;
-  for (int i = 0; i < kLaneRows; ++i) {  // each row's scales as floats, eight at a time
-    const Scale* rs = scales + static_cast<uint64_t>(r0 + (i < rows ? i : 0)) * blocks;
-    float* d = out.rows_d.data() + i * d_stride;
-    for (int g = 0; g < groups; ++g) {
-      const int b0 = g * kInt8Group;
-      _mm256_storeu_ps(d + b0, group_scales<Codes>(rs + b0, std::min(kInt8Group, blocks - b0)));
-    }
+  for (int g = 0; g < groups; ++g) {  // a group's 8 blocks of the 8 rows' scales, as floats, transposed
+    const int b0 = g * kInt8Group, nb = std::min(kInt8Group, blocks - b0);
+    __m256 d[kLaneRows];
+    for (int i = 0; i < kLaneRows; ++i)
+      d[i] = group_scales<Codes>(scales + static_cast<uint64_t>(r0 + (i < rows ? i : 0)) * blocks + b0, nb);
+    avx2::transpose8(d);
+    for (int j = 0; j < kInt8Group; ++j) _mm256_storeu_ps(out.d.data() + static_cast<size_t>(b0 + j) * kLaneRows, d[j]);
   }
   auto load = [&](int lo_row, int b) MOSAIC_INT8_TARGET {  // rows lo_row and lo_row + 4, block b
     return _mm256_inserti128_si256(
@@ -268,7 +265,6 @@ MOSAIC_INT8_TARGET void row_tile_codes(const MatvecArgs& a, int r0, int rows, in
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + m * kLaneRows), lo);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + (4 + m) * kLaneRows), hi);
     }
-    for (int i = 0; i < kLaneRows; ++i) out.d[static_cast<size_t>(b) * kLaneRows + i] = out.rows_d[i * d_stride + b];
   }
 }
 

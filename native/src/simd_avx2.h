@@ -21,4 +21,23 @@ MOSAIC_AVX2 inline __m256i broadcast_dword(const void* p) {
   return _mm256_broadcastd_epi32(_mm_loadu_si32(p));
 }
 
+// The 8 x 8 matrix whose rows are r[0..7], transposed in place: r[j] lane i becomes r[i] lane j.
+MOSAIC_AVX2 inline void transpose8(__m256 (&r)[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {  // rows 2i and 2i + 1 interleaved
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {  // then their quadwords: four rows' column k in each 128-bit half
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int k = 0; k < 4; ++k) {  // the halves of rows 0-3 and 4-7 joined
+    r[k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x20);
+    r[4 + k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x31);
+  }
+}
+
 }  // namespace mosaic::avx2
