@@ -229,7 +229,11 @@ MOSAIC_INT8_TARGET void row_tile_codes(const MatvecArgs& a, int r0, int rows, in
   out.d.resize(static_cast<size_t>(groups) * kInt8Group * kLaneRows);  // whole groups: the transpose writes 8 blocks
   const size_t row_bytes = static_cast<size_t>(blocks) * kQ4Bytes;
   const uint8_t* row[kLaneRows];
-  for (int i = 0; i < kLaneRows; ++i) row[i] = a.codes + static_cast<uint64_t>(r0 + (i < rows ? i : 0)) * row_bytes;
+  const Scale* row_scales[kLaneRows];
+  for (int i = 0; i < kLaneRows; ++i) {
+    const uint64_t r = static_cast<uint64_t>(r0 + (i < rows ? i : 0));
+    row[i] = a.codes + r * row_bytes, row_scales[i] = scales + r * blocks;
+  }
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   // 2 * e2m1 + 12 by code, in each 128-bit lane for vpshufb
   const __m256i table = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
@@ -237,8 +241,7 @@ MOSAIC_INT8_TARGET void row_tile_codes(const MatvecArgs& a, int r0, int rows, in
   for (int g = 0; g < groups; ++g) {  // a group's 8 blocks of the 8 rows' scales, as floats, transposed
     const int b0 = g * kInt8Group, nb = std::min(kInt8Group, blocks - b0);
     __m256 d[kLaneRows];
-    for (int i = 0; i < kLaneRows; ++i)
-      d[i] = group_scales<Codes>(scales + static_cast<uint64_t>(r0 + (i < rows ? i : 0)) * blocks + b0, nb);
+    for (int i = 0; i < kLaneRows; ++i) d[i] = group_scales<Codes>(row_scales[i] + b0, nb);
     avx2::transpose8(d);
     for (int j = 0; j < kInt8Group; ++j) _mm256_storeu_ps(out.d.data() + static_cast<size_t>(b0 + j) * kLaneRows, d[j]);
   }
