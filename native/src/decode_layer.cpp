@@ -364,7 +364,7 @@ void decode_mlp(const DecodeLayer& L, const float* h, float* x, float* scratch, 
   const BackboneMatrix* gu[] = {&f.gate, &f.up};
   float* const gu_out[] = {g, u};
   project_together(gu, gu_out, 2, h, threads, isa);
-  for (int i = 0; i < I; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  apply_activation(ExpertActivation{}, g, u, I);  // silu(g) * u
   project(f.down, g, y, threads, isa);
   float s = 1.f;
   if (f.shared_gate.rows) {

@@ -92,6 +92,8 @@ struct ExpertFormat {
 
 // g[i] = act(g[i], u[i]) for i < n, in place (activation.cpp: the same bits on every ISA).
 void apply_activation(const ExpertActivation& act, float* g, const float* u, uint64_t n);
+// x[i] = silu(x[i]) for i < n, in place (the same bits as apply_activation's Silu with u all ones).
+void apply_silu(float* x, uint64_t n);
 
 IsaKernels scalar_kernels();
 IsaKernels avx2_kernels();
