@@ -429,6 +429,31 @@ def test_reads_ahead_still_in_flight_do_not_starve_a_layer(model_dir, monkeypatc
     assert not store._pinned and not store._reading
 
 
+def test_a_ring_holding_every_record_learns_later_what_it_would_have_learnt_each_step(model_dir):
+    """While the ring holds the whole vault the policy's bookkeeping waits (nothing can be evicted); when
+    memory pressure takes slots back, it learns the waiting steps first and gives back the records it would
+    have, and the hits were counted as the steps ran."""
+    import numpy as np
+    engines = [Engine.open(model_dir, ram_budget=1 << 30, max_seq=64, watch_memory=False) for _ in range(2)]
+    stepwise = engines[1].store
+    stepwise._holds_every_record = lambda: False  # the reference: learning step by step
+    for engine in engines:
+        engine.finish_preload()
+        run(engine)
+    deferred = engines[0].store
+    assert len(deferred._deferred) > 0 and not stepwise._deferred
+    hits = [{k: c.hits for k, c in e.store.policy.counters.items()} for e in engines]
+    assert hits[0] == hits[1] and sum(hits[0].values()) > 0
+    victims = []
+    for store in (deferred, stepwise):
+        where = dict(store.policy.where)
+        assert store.shrink(3) == 3
+        victims.append(sorted(set(where) - set(store.policy.where)))
+    assert victims[0] == victims[1] and not deferred._deferred
+    for name in ("_value", "_co", "_seen", "_reuse"):
+        assert np.array_equal(getattr(deferred.policy, name), getattr(stepwise.policy, name)), name
+
+
 def test_a_record_read_ahead_counts_as_used_when_the_native_loop_runs_it(model_dir, monkeypatch):
     """The native layer loop runs resident records without acquire: one read ahead is used all the same.
     Reads ahead go in the ring's background queue, behind the layer's own reads."""

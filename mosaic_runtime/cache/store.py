@@ -27,6 +27,10 @@ from .policy import RoutingPolicy
 from .ring import Ring, SlotState
 
 IO_THREADS = 4  # reads in flight at once; more did not help on this machine's disk (benchmarks/RESULTS.md)
+# While the ring holds every record nothing is evicted, so the policy need not learn token by token (its
+# bookkeeping was about 4 % of a decode step on an 8-layer model in RAM); it learns the last so many decode
+# steps at once when it has a choice to make again (the ring shrunk under memory pressure).
+DEFERRED_STEPS = 64
 
 
 @dataclass
@@ -59,18 +63,45 @@ class ExpertStore:
         self._preload_stopped = False  # memory ran short: no more reads ahead of need
         self._ahead: set[int] = set()  # slots read_ahead filled that no layer has asked for yet
         self._next_layer = dict(zip(layers, layers[1:]))
+        # what the policy has yet to learn while the ring holds every record: (token, None) for a step's
+        # start, (layers, experts) for what it ran held (_catch_up)
+        self._deferred: deque[tuple] = deque(maxlen=2 * DEFERRED_STEPS)
+
+    def _holds_every_record(self) -> bool:
+        return len(self.policy.where) == len(self.vault.entries) and not self._ahead
+
+    def _catch_up(self) -> None:
+        """Let the policy learn the deferred steps, in order, before it decides anything; their hits were
+        counted as they ran."""
+        if not self._deferred:
+            return
+        hits = {layer: c.hits for layer, c in self.policy.counters.items()}
+        for first, second in self._deferred:
+            if second is None:
+                self.policy.begin_step(first)
+            else:
+                self.policy.ran_held(first, second)
+        for layer, c in self.policy.counters.items():
+            c.hits = hits[layer]
+        self._deferred.clear()
 
     def begin_step(self, token: int | None) -> None:
         """A forward step begins: a decode step's input token, or None for a prefill (the policy learns)."""
+        if self._holds_every_record():
+            self._deferred.append((token, None))
+            return
+        self._catch_up()
         self.policy.begin_step(token)
 
     def routed(self, layer: int, experts: list[int]) -> None:
         """A decode step's layer routed its token to these experts."""
+        self._catch_up()
         self.policy.routed(layer, experts)
 
     def acquire(self, layer: int, experts: list[int]) -> list[int]:
         """Slots for the records of `experts` (in that order), pinned; missing ones are being read. The
         layer's held records are pinned before any miss takes a slot, so none is evicted for another."""
+        self._catch_up()
         self._reap_ahead()
         self.policy.rescore()
         found = [self.policy.lookup((layer, e)) for e in experts]
@@ -119,6 +150,7 @@ class ExpertStore:
     def used(self, layer: int, experts) -> None:
         """Account experts run from their held records without acquire (resident, the native layer loop):
         hits, and most recently used, in that order; a record read ahead for them has served."""
+        self._catch_up()
         for e in experts:
             self.policy.lookup((layer, e))
         if self._ahead:
@@ -128,7 +160,14 @@ class ExpertStore:
 
     def ran_held(self, layers: list[int], experts: np.ndarray) -> None:
         """A native decode step routed `layers` to experts[i] (ascending ids) and ran them from their held
-        records: routed() and used() for each layer, in layer order."""
+        records: routed() and used() for each layer, in layer order (counted now, learnt later while the
+        ring holds every record)."""
+        if self._holds_every_record():
+            self._deferred.append((layers, experts))
+            for layer in layers:
+                self.policy.counters[layer].hits += experts.shape[1]
+            return
+        self._catch_up()
         self.policy.ran_held(layers, experts)
         if self._ahead:
             held = self.slot_table[np.asarray(layers)[:, None], experts].ravel().tolist()
@@ -172,6 +211,7 @@ class ExpertStore:
         if nxt is None or len(self.vault.entries) <= self.policy.usable:
             return 0
         self._reap_ahead()
+        self._catch_up()
         planned = self.policy.plan_ahead(nxt, self._pinned | self._reading.keys() | set(running),
                                          None if guess is None else guess())
         for slot, key in ((s, k) for k, s in planned):
@@ -244,6 +284,7 @@ class ExpertStore:
         """Give up to `slots` ring slots' memory back to the system: free ones first, then the records the
         policy would evict first; never a pinned slot or one being read. Returns how many were given back;
         they hold nothing until grow() takes them again."""
+        self._catch_up()
         self.policy.rescore()  # records placed since the last layer's turn count as evictable again
         victims = [(None, slot) for slot in self.policy.free]  # (a free slot is never being read)
         victims += [(key, slot) for key, slot in self.policy.evictable(self._pinned) if slot not in self._reading]
