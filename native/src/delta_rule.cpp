@@ -37,7 +37,7 @@ __attribute__((always_inline)) inline void head_over_tokens(const DeltaRuleToken
       float* o = r.out + tv * dv + c0;
       const float decay = std::exp(r.g[tv]);
       if (n == kColumns)  // the full block with its width known: the column loops unroll into registers
-        delta_columns_fixed<kColumns>(Sb, r.q + qk, r.k + qk, v, decay, r.beta[tv], dk, o);
+        delta_columns_fixed<kColumns>(Sb, kColumns, r.q + qk, r.k + qk, v, decay, r.beta[tv], dk, o);
       else
         delta_columns(Sb, n, r.q + qk, r.k + qk, v, decay, r.beta[tv], dk, n, u, o);
     }

@@ -1,7 +1,7 @@
 // The gated delta rule's step for one token on columns of one value head's state (models/delta_rule.py):
 // S = decay * S; u = beta * (v - S^T k); S += k u^T; o = S^T q. Columns of S are independent of each
-// other, so a caller may run any span of them: the decode step runs a head's whole state, the prefill a
-// block of columns at a time over every token of the prompt (delta_rule.cpp).
+// other, so a caller may run any span of them: the decode step a head's whole state a block of columns at a
+// time (delta_head), the prefill a block of columns over every token of the prompt (delta_rule.cpp).
 #pragma once
 
 #include <cstdint>
@@ -43,14 +43,15 @@ __attribute__((always_inline)) inline void delta_columns(float* __restrict S, in
 // loaded and stored without alignment.
 typedef float Floats8 __attribute__((vector_size(32), aligned(4)));
 
-// The same step on W columns (a multiple of 8) of a state whose rows are W floats apart, rearranged so that
+// The same step on W columns (a multiple of 8) of a state whose rows are lds floats apart, rearranged so that
 // no sum is carried through memory: the first pass reads S once for both S^T k and S^T q (eight independent
 // sums in registers), since u = beta (v - decay S^T k) and the read after the write is
 // o = decay S^T q + (k . q) u; the second pass writes S = decay S + k u^T. (The loops of delta_columns keep
 // u and o in memory, and every row's update stores them and loads them back.) Agrees with delta_columns to
 // float rounding.
 template <int W>
-__attribute__((always_inline)) inline void delta_columns_fixed(float* __restrict S, const float* __restrict q,
+__attribute__((always_inline)) inline void delta_columns_fixed(float* __restrict S, int64_t lds,
+                                                                const float* __restrict q,
                                                                 const float* __restrict k, const float* __restrict v,
                                                                 float decay, float beta, int dk,
                                                                 float* __restrict o) {
@@ -60,7 +61,7 @@ __attribute__((always_inline)) inline void delta_columns_fixed(float* __restrict
   for (int j = 0; j < kVectors; ++j) sk[j] = sq[j] = Floats8{};
   float kq = 0.f;
   for (int i = 0; i < dk; ++i) {
-    const Floats8* row = reinterpret_cast<const Floats8*>(S + static_cast<int64_t>(i) * W);
+    const Floats8* row = reinterpret_cast<const Floats8*>(S + i * lds);
     const float ki = k[i], qi = q[i];
     kq += ki * qi;
     for (int j = 0; j < kVectors; ++j) {
@@ -77,10 +78,23 @@ __attribute__((always_inline)) inline void delta_columns_fixed(float* __restrict
     std::memcpy(o + 8 * j, &oj, sizeof oj);
   }
   for (int i = 0; i < dk; ++i) {
-    Floats8* row = reinterpret_cast<Floats8*>(S + static_cast<int64_t>(i) * W);
+    Floats8* row = reinterpret_cast<Floats8*>(S + i * lds);
     const float ki = k[i];
     for (int j = 0; j < kVectors; ++j) row[j] = row[j] * decay + ki * u[j];
   }
+}
+
+// A value head's whole state S [dk, dv], rows dv floats apart: W columns at a time through
+// delta_columns_fixed (each block's rows still in L1 for its second pass), a ragged end through
+// delta_columns. u: dv floats.
+template <int W>
+__attribute__((always_inline)) inline void delta_head(float* __restrict S, const float* __restrict q,
+                                                       const float* __restrict k, const float* __restrict v,
+                                                       float decay, float beta, int dk, int dv, float* __restrict u,
+                                                       float* __restrict o) {
+  int c0 = 0;
+  for (; c0 + W <= dv; c0 += W) delta_columns_fixed<W>(S + c0, dv, q, k, v + c0, decay, beta, dk, o + c0);
+  if (c0 < dv) delta_columns(S + c0, dv, q, k, v + c0, decay, beta, dk, dv - c0, u, o + c0);
 }
 
 }  // namespace mosaic
