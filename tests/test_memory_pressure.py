@@ -49,7 +49,7 @@ def test_slots_go_back_first_to_evict_first_and_return_with_the_same_tokens(mode
         assert list(engine.generate_ids(PROMPT, max_new_tokens=16)) == reference
         full = store.policy.usable
         assert full == engine.vault.header.num_records  # the whole vault was held
-        oldest = [key for key, _ in store.policy.evictable(set())][:10]
+        oldest = [key for key, _ in store.eviction_order()][:10]
         memory.available = valve.margin - 10 * record
         assert valve.check(force=True) == -10 and store.policy.usable == full - 10
         assert all(store.slot_table[key] == -1 for key in oldest)  # the ten first in eviction order went

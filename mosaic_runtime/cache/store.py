@@ -71,18 +71,18 @@ class ExpertStore:
         return len(self.policy.where) == len(self.vault.entries) and not self._ahead
 
     def _catch_up(self) -> None:
-        """Let the policy learn the deferred steps, in order, before it decides anything; their hits were
-        counted as they ran."""
+        """Let the policy learn the deferred steps, in order, before it decides or forgets anything; their
+        hits were counted as they ran, so the counters stay as they are."""
         if not self._deferred:
             return
-        hits = {layer: c.hits for layer, c in self.policy.counters.items()}
+        counts = {layer: (c.hits, c.misses) for layer, c in self.policy.counters.items()}
         for first, second in self._deferred:
             if second is None:
                 self.policy.begin_step(first)
             else:
                 self.policy.ran_held(first, second)
         for layer, c in self.policy.counters.items():
-            c.hits = hits[layer]
+            c.hits, c.misses = counts[layer]
         self._deferred.clear()
 
     def begin_step(self, token: int | None) -> None:
@@ -210,8 +210,8 @@ class ExpertStore:
         nxt = self._next_layer.get(layer)
         if nxt is None or len(self.vault.entries) <= self.policy.usable:
             return 0
-        self._reap_ahead()
         self._catch_up()
+        self._reap_ahead()
         planned = self.policy.plan_ahead(nxt, self._pinned | self._reading.keys() | set(running),
                                          None if guess is None else guess())
         for slot, key in ((s, k) for k, s in planned):
@@ -269,6 +269,7 @@ class ExpertStore:
     def stop_preload(self) -> int:
         """Cancel preload's reads that no I/O thread has started, for good (memory is short: nothing more is
         read ahead of need); returns how many. Their slots are free again."""
+        self._catch_up()
         self._preload_stopped = True
         cancelled = 0
         for slot in list(self._preloading):
@@ -280,14 +281,18 @@ class ExpertStore:
                 cancelled += 1
         return cancelled
 
+    def eviction_order(self) -> list[tuple[tuple[int, int], int]]:
+        """The held records no one has pinned, (key, slot), in the order the policy would give them up."""
+        self._catch_up()
+        self.policy.rescore()  # records placed since the last layer's turn count as evictable again
+        return list(self.policy.evictable(self._pinned))
+
     def shrink(self, slots: int) -> int:
         """Give up to `slots` ring slots' memory back to the system: free ones first, then the records the
         policy would evict first; never a pinned slot or one being read. Returns how many were given back;
         they hold nothing until grow() takes them again."""
-        self._catch_up()
-        self.policy.rescore()  # records placed since the last layer's turn count as evictable again
         victims = [(None, slot) for slot in self.policy.free]  # (a free slot is never being read)
-        victims += [(key, slot) for key, slot in self.policy.evictable(self._pinned) if slot not in self._reading]
+        victims += [(key, slot) for key, slot in self.eviction_order() if slot not in self._reading]
         for key, slot in victims[:slots]:
             if key is not None:
                 self.policy.forget(key)
