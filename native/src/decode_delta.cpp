@@ -4,7 +4,6 @@
 // DecoderModel.delta_net and recurrent_gated_delta_rule (mosaic_runtime/models/decoder.py, delta_rule.py).
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 
 #include <omp.h>
 
