@@ -188,9 +188,12 @@ class NativeExperts(ExpertExecutor):
             return None  # every layer through add_decode, where the recorded routing replaces the router's
         if self._loop is None or self._loop_top_k < top_k:
             self._loop_top_k = top_k
+            # scratch of its own, sized for one token: the executor's own grows (and moves) with a prompt's
+            # tokens, and a copy of it after a prefill was hundreds of MB (77 ms of the first decode step)
+            need = self._k.scratch_floats(self.format, top_k, 1, self.threads)
             self._loop = _native.decode.LoopExperts(
                 isa=self.isa, threads=self.threads, format=self.format, top_k=top_k, ring=self.store.ring.native,
-                slot_of=self.store.slot_table, scratch=self._scratch_for(top_k, 1).copy())
+                slot_of=self.store.slot_table, scratch=np.zeros(need, np.float32))
         return self._loop
 
     def ran_natively(self, layers, topk_ids: np.ndarray, kernel_s: float) -> None:

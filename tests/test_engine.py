@@ -429,6 +429,26 @@ def test_reads_ahead_still_in_flight_do_not_starve_a_layer(model_dir, monkeypatc
     assert not store._pinned and not store._reading
 
 
+def test_the_native_loops_scratch_is_one_tokens_whatever_came_before(model_dir, monkeypatch):
+    """The native decode loop gets scratch of its own sized for one token: a copy of the executor's, which a
+    prompt grows, cost the first decode step a prompt's worth of memory and time."""
+    from mosaic_runtime import _native
+    sizes, real = [], _native.decode.LoopExperts
+
+    def noting_its_scratch(**kwargs):
+        sizes.append(kwargs["scratch"].size)
+        return real(**kwargs)
+
+    monkeypatch.setattr(_native.decode, "LoopExperts", noting_its_scratch)
+    with Engine.open(model_dir, ram_budget=1 << 30, max_seq=256, watch_memory=False) as engine:
+        engine.finish_preload()
+        experts = engine.model.experts
+        list(engine.generate_ids(PROMPT * 16, max_new_tokens=4))  # a prompt of 128 tokens, then decode steps
+        one_token = experts._k.scratch_floats(experts.format, engine.arch["num_experts_per_tok"], 1, experts.threads)
+        assert experts._scratch.size > one_token  # the prompt grew the executor's
+    assert sizes == [one_token]
+
+
 def test_a_ring_holding_every_record_learns_later_what_it_would_have_learnt_each_step(model_dir):
     """While the ring holds the whole vault the policy's bookkeeping waits (nothing can be evicted); when
     memory pressure takes slots back, it learns the waiting steps first and gives back the records it would
