@@ -472,6 +472,8 @@ def test_a_ring_holding_every_record_learns_later_what_it_would_have_learnt_each
     assert victims[0] == victims[1] and not deferred._deferred
     for name in ("_value", "_co", "_seen", "_reuse"):
         assert np.array_equal(getattr(deferred.policy, name), getattr(stepwise.policy, name)), name
+    for engine in engines:
+        engine.close()
 
 
 def test_a_record_read_ahead_counts_as_used_when_the_native_loop_runs_it(model_dir, monkeypatch):
