@@ -13,27 +13,25 @@
 namespace mosaic {
 namespace {
 
-constexpr int kDeltaColumns = 32;  // a block's S^T k and S^T q sums: eight AVX2 registers
-
 // The delta rule on one value head's whole state S [dk, dv] (delta_rule.h), compiled for each vector width
 // and chosen at run time.
 #if defined(MOSAIC_X86)
 __attribute__((target("avx512f,avx512vl,avx2,fma"))) void delta_head_avx512(float* S, const float* q, const float* k,
                                                                              const float* v, float decay, float beta,
                                                                              int dk, int dv, float* u, float* o) {
-  delta_head<kDeltaColumns>(S, q, k, v, decay, beta, dk, dv, u, o);
+  delta_head(S, q, k, v, decay, beta, dk, dv, u, o);
 }
 
 __attribute__((target("avx2,fma"))) void delta_head_avx2(float* S, const float* q, const float* k, const float* v,
                                                          float decay, float beta, int dk, int dv, float* u, float* o) {
-  delta_head<kDeltaColumns>(S, q, k, v, decay, beta, dk, dv, u, o);
+  delta_head(S, q, k, v, decay, beta, dk, dv, u, o);
 }
 #endif
 
 // The base ISA's vectors: SSE2 on x86-64, NEON on AArch64.
 void delta_head_scalar(float* S, const float* q, const float* k, const float* v, float decay, float beta, int dk,
                        int dv, float* u, float* o) {
-  delta_head<kDeltaColumns>(S, q, k, v, decay, beta, dk, dv, u, o);
+  delta_head(S, q, k, v, decay, beta, dk, dv, u, o);
 }
 
 // x * rsqrt(sum x^2 + 1e-6), as models/decoder.l2norm.

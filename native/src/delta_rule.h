@@ -39,6 +39,10 @@ __attribute__((always_inline)) inline void delta_columns(float* __restrict S, in
   }
 }
 
+// The columns a block of the state takes in delta_columns_fixed: its S^T k and S^T q sums in eight AVX2
+// registers (the decode step's and the prefill's blocks alike).
+inline constexpr int kDeltaColumns = 32;
+
 // Eight floats as one value of the compiler's vector extension (two SSE or NEON registers, one AVX one),
 // loaded and stored without alignment.
 typedef float Floats8 __attribute__((vector_size(32), aligned(4)));
@@ -84,16 +88,16 @@ __attribute__((always_inline)) inline void delta_columns_fixed(float* __restrict
   }
 }
 
-// A value head's whole state S [dk, dv], rows dv floats apart: W columns at a time through
+// A value head's whole state S [dk, dv], rows dv floats apart: kDeltaColumns at a time through
 // delta_columns_fixed (each block's rows still in L1 for its second pass), a ragged end through
 // delta_columns. u: dv floats.
-template <int W>
 __attribute__((always_inline)) inline void delta_head(float* __restrict S, const float* __restrict q,
                                                        const float* __restrict k, const float* __restrict v,
                                                        float decay, float beta, int dk, int dv, float* __restrict u,
                                                        float* __restrict o) {
   int c0 = 0;
-  for (; c0 + W <= dv; c0 += W) delta_columns_fixed<W>(S + c0, dv, q, k, v + c0, decay, beta, dk, o + c0);
+  for (; c0 + kDeltaColumns <= dv; c0 += kDeltaColumns)
+    delta_columns_fixed<kDeltaColumns>(S + c0, dv, q, k, v + c0, decay, beta, dk, o + c0);
   if (c0 < dv) delta_columns(S + c0, dv, q, k, v + c0, decay, beta, dk, dv - c0, u, o + c0);
 }
 
