@@ -1,6 +1,6 @@
 """Convert throughput next to this disk's raw read and write speed, measured in the same run, and peak RSS.
 
-    python benchmarks/convert_bench.py [--layers 2] [--data bench-data] [--hub-cache]
+    python benchmarks/convert_bench.py [--layers 2] [--data bench-data] [--hub-cache | --local-dir]
 
 Builds (once) a bf16 checkpoint with Qwen3-30B-A3B's per-layer geometry (hidden 2048, 128 experts of
 768, vocab 8192) and `--layers` MoE layers, about 1.3 GB a layer, in 1 GiB shards. Then, with the page
@@ -8,7 +8,9 @@ cache dropped before each step (needs root; otherwise the figures are warm and s
 raw O_DIRECT read of the shards, raw O_DIRECT write of as many bytes, and `convert --quant q4|fp8`,
 each in a fresh process whose peak RSS is reported beside probe's bound. `--hub-cache` converts from a view
 of the same files laid out as the Hugging Face cache keeps a download (snapshot symlinks to blobs named by
-their SHA-256), where convert takes the lineage's hashes from the blob names instead of hashing the source.
+their SHA-256), where convert takes the lineage's hashes from the blob names instead of hashing the source;
+`--local-dir` from a view laid out as `hf download --local-dir` leaves one (the files, and a metadata file
+for each recording its SHA-256), where convert takes them from that metadata.
 """
 
 from __future__ import annotations
@@ -41,9 +43,9 @@ def hub_cache_view(ckpt: Path) -> Path:
     blobs, partial = root / "blobs", root / "snapshots" / "partial"
     blobs.mkdir(parents=True, exist_ok=True)
     partial.mkdir(parents=True, exist_ok=True)
-    from mosaic_shatter.convert import _sha256  # the lineage's hash of a file
+    from mosaic_shatter.source_hash import source_sha256  # the lineage's hash of a file
     for f in sorted(p for p in ckpt.iterdir() if p.is_file()):
-        blob = blobs / _sha256(f)
+        blob = blobs / source_sha256(f)
         if not blob.exists():
             os.link(f, blob)
         link = partial / f.name
@@ -51,6 +53,26 @@ def hub_cache_view(ckpt: Path) -> Path:
         link.symlink_to(os.path.relpath(blob, partial))
     partial.rename(snapshot)
     return snapshot
+
+
+def local_dir_view(ckpt: Path) -> Path:
+    """The checkpoint as `hf download --local-dir` leaves it, built once beside it: each file a hard link to
+    the same bytes, and .cache/huggingface/download/<name>.metadata with a commit, the file's SHA-256 (its
+    ETag) and the time it was recorded."""
+    root = ckpt.parent / f"{ckpt.name}-local-dir"
+    if root.is_dir():
+        return root
+    partial = ckpt.parent / f"{ckpt.name}-local-dir.partial"
+    metadata = partial / ".cache" / "huggingface" / "download"
+    metadata.mkdir(parents=True, exist_ok=True)
+    from mosaic_shatter.source_hash import source_sha256  # the lineage's hash of a file
+    for f in sorted(p for p in ckpt.iterdir() if p.is_file()):
+        link = partial / f.name
+        link.unlink(missing_ok=True)
+        os.link(f, link)
+        (metadata / f"{f.name}.metadata").write_text(f"bench\n{source_sha256(f)}\n{time.time()}\n")
+    partial.rename(root)
+    return root
 
 
 def drop_caches() -> bool:
@@ -117,11 +139,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--data", type=Path, default=ROOT / "bench-data")
-    ap.add_argument("--hub-cache", action="store_true", help="convert from the files laid out as the Hub's cache")
+    layout = ap.add_mutually_exclusive_group()
+    layout.add_argument("--hub-cache", action="store_true", help="convert from the files laid out as the Hub's cache")
+    layout.add_argument("--local-dir", action="store_true",
+                        help="convert from the files laid out as `hf download --local-dir` leaves them")
     args = ap.parse_args()
     ckpt = build_checkpoint(args.data / f"qwen3-30b-geometry-{args.layers}l", args.layers)
     if args.hub_cache:
         ckpt = hub_cache_view(ckpt)
+    elif args.local_dir:
+        ckpt = local_dir_view(ckpt)
     files = sorted(ckpt.glob("*.safetensors"))
     source_bytes = sum(f.stat().st_size for f in files)
 
@@ -135,7 +162,8 @@ def main() -> None:
     n, dt = raw_read(files)
     read_gbs = n / dt / 1e9
     write_gbs = source_bytes / raw_write(args.data / "write-test.bin", source_bytes) / 1e9
-    layout = "; laid out as the Hub's cache" if args.hub_cache else ""
+    layout = ("; laid out as the Hub's cache" if args.hub_cache else
+              "; laid out as an `hf download --local-dir`" if args.local_dir else "")
     cache = "dropped" if cold else "WARM"
     print(f"source: {source_bytes / 1e9:.2f} GB in {len(files)} shards{layout}; page cache {cache}")
     print(f"raw O_DIRECT read {read_gbs:.2f} GB/s, raw O_DIRECT write {write_gbs:.2f} GB/s (4 MiB requests)")

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import os
-import re
 import shutil
 import signal
 import threading
@@ -34,13 +32,13 @@ from .checkpoint import Checkpoint, CheckpointError
 from .encode import encode_expert, will_need
 from .plan import Plan, make_plan
 from .precision import MixedPrecision
+from .source_hash import source_sha256
 from .write_backbone import write_backbone
 from .partial import PartialBusy, PartialDir
 from .write_vault import DiskFull, VaultWriter
 
 DISK_MARGIN = 64 << 20  # kept free beyond the outputs' own size
 JOURNAL_EVERY = 32  # records between syncs of the vault and its journal: what a kill may cost a resume
-_HEX64 = re.compile(r"[0-9a-f]{64}")
 _PENDING_HASH = "0" * 64  # same length as a real digest, so the lineage block's size is known up front
 
 
@@ -61,18 +59,6 @@ class ConvertResult:
     records: int
     seconds: float
     resumed_records: int = 0  # records an interrupted run of the same convert had already written
-
-
-def _sha256(path: Path) -> str:
-    """The file's SHA-256; free for Hub-cache files, whose blob is named by it."""
-    blob = Path(os.path.realpath(path)).name
-    if _HEX64.fullmatch(blob):
-        return blob
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _quant_params(plan: Plan, quant: QuantType) -> dict:
@@ -199,7 +185,7 @@ def convert(source: str, out: str | os.PathLike, quant: str, *, revision: str | 
     kept = 0
     try:
         hash_files = [*ckpt.files, ckpt.directory / "config.json", *ckpt.tokenizer_files()]
-        hash_futures = {f.name: hash_pool.submit(_sha256, f) for f in hash_files}
+        hash_futures = {f.name: hash_pool.submit(source_sha256, f) for f in hash_files}
         for f in [ckpt.directory / "config.json", *ckpt.tokenizer_files()]:
             shutil.copy2(f, tmp / f.name)
 
