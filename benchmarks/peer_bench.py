@@ -379,6 +379,22 @@ def main() -> None:
         against = peer_name or ("nothing (every llama.cpp configuration failed)" if failures else "nothing")
         print(f"(case {case}) same-run streaming bandwidth: {', '.join(f'{b:.1f}' for b in bws)} GB/s; decode "
               f"ratios against {against}")
+        if peer_name and len(runs[peer_name]) == args.rounds:
+            print_paired(case, runs, peer_name)
+
+
+def print_paired(case: str, runs: dict[str, list[dict]], peer_name: str) -> None:
+    """Each Mosaic configuration's ratios to the peer round by round: the two ran minutes apart in a round,
+    so a ratio within a round is steadier than the ratio of medians when the machine's speed drifts."""
+    peer = runs[peer_name]
+    for name, rs in runs.items():
+        if not name.startswith("mosaic") or len(rs) != len(peer):
+            continue
+        for key, what in (("prefill_tok_s", "prefill"), ("decode_tok_s", "decode")):
+            ratios = [m[key] / p[key] for m, p in zip(rs, peer)]
+            print(f"(case {case}) {name} {what} against {peer_name}, round by round: "
+                  f"{', '.join(f'{r:.2f}x' for r in ratios)} (median {statistics.median(ratios):.2f}x, "
+                  f"lowest {min(ratios):.2f}x)")
 
 
 def ring_column(runs: list[dict]) -> str:
