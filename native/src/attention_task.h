@@ -30,9 +30,12 @@ struct Partial {  // one task's state for one query head: its probabilities' sum
 };
 
 // The next tile's key and value lines, prefetched towards L1 a few at a time from inside the arithmetic
-// (step() once an inner iteration), so memory streams behind the compute. A burst of prefetches would
-// fill the core's dozen line-fill buffers and stall it, and with no prefetch the stream idles whenever
-// the loop works from L1. Prefetching past the end of the cache is harmless: prefetches never fault.
+// (step() once an inner iteration), so memory streams behind the compute, and the tile after it's towards
+// L2 alongside: a burst of prefetches would fill the core's dozen line-fill buffers and stall it, and with
+// no prefetch the stream idles whenever the loop works from L1. With the L1 stream alone, a cache the
+// layer's weights had just flushed arrived at about 14 GB/s; the L2 stream a tile further ahead keeps more
+// lines in flight without holding line-fill buffers (benchmarks/RESULTS.md, "Decode attention from memory").
+// Prefetching past the end of the cache is harmless: prefetches never fault.
 struct Prefetcher {
   const char* k;
   const char* v;
@@ -40,9 +43,11 @@ struct Prefetcher {
   int per_step;  // lines a step
   int done = 0;
   inline void step() {
-    for (int i = 0; i < per_step && done < 2 * lines; ++i, ++done)
-      __builtin_prefetch(done < lines ? k + 64 * static_cast<int64_t>(done)
-                                      : v + 64 * static_cast<int64_t>(done - lines), 0, 3);  // prefetcht0
+    for (int i = 0; i < per_step && done < 2 * lines; ++i, ++done) {
+      const char* p = done < lines ? k + 64 * static_cast<int64_t>(done) : v + 64 * static_cast<int64_t>(done - lines);
+      __builtin_prefetch(p, 0, 3);  // prefetcht0
+      __builtin_prefetch(p + 64 * static_cast<int64_t>(lines), 0, 2);  // the tile after: prefetcht1
+    }
   }
 };
 
