@@ -29,13 +29,13 @@ struct Partial {  // one task's state for one query head: its probabilities' sum
   float ref, sum;
 };
 
-// The next tile's key and value lines, prefetched towards L1 a few at a time from inside the arithmetic
-// (step() once an inner iteration), so memory streams behind the compute, and the lines of the tile after
-// it towards L2 alongside. A burst of prefetches would fill the core's dozen line-fill buffers and stall it, and with
-// no prefetch the stream idles whenever the loop works from L1. With the L1 stream alone, a cache the
-// layer's weights had just flushed arrived at about 14 GB/s; the L2 stream a tile further ahead keeps more
-// lines in flight without holding line-fill buffers (benchmarks/RESULTS.md, "Decode attention from memory").
-// Prefetching past the end of the cache is harmless: prefetches never fault.
+// The next tile's key and value lines, prefetched towards L1 a few at a time from inside the arithmetic (step()
+// once an inner iteration), so memory streams behind the compute, and the lines of the tile after it towards L2
+// alongside. A burst of prefetches would fill the core's dozen line-fill buffers and stall it, and with no
+// prefetch the stream idles whenever the loop works from L1. With the L1 stream alone, a cache the layer's
+// weights had just flushed arrived at about 14 GB/s; the L2 stream a tile further ahead keeps more lines in
+// flight without holding line-fill buffers (benchmarks/RESULTS.md, "Decode attention from memory"). Prefetching
+// past the end of the cache is harmless: prefetches never fault.
 struct Prefetcher {
   const char* k;
   const char* v;
