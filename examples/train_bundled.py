@@ -23,6 +23,7 @@ import random
 import sys
 import sysconfig
 import time
+import warnings
 import zlib
 from pathlib import Path
 
@@ -93,7 +94,9 @@ def docstring_questions(rel: str, source: str) -> list[tuple[str, str]]:
     """One (question, answer) per documented public function or class: the question names it, the answer
     is the first paragraph of its docstring."""
     try:
-        tree = ast.parse(source)
+        with warnings.catch_warnings():  # another project's invalid escapes and the like are not ours to report
+            warnings.simplefilter("ignore", (DeprecationWarning, SyntaxWarning))
+            tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return []
     mod, pairs = module_name(rel), []
