@@ -12,10 +12,11 @@ Anything else is hashed.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from pathlib import Path
+
+from mosaic_runtime.vault.format import file_sha256
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _LOCAL_DIR_METADATA = Path(".cache") / "huggingface" / "download"
@@ -23,7 +24,7 @@ _LOCAL_DIR_METADATA = Path(".cache") / "huggingface" / "download"
 
 def source_sha256(path: Path) -> str:
     """The file's SHA-256: recorded by its download if it was, computed otherwise."""
-    return recorded_sha256(path) or _hash(path)
+    return recorded_sha256(path) or file_sha256(path)
 
 
 def recorded_sha256(path: Path) -> str | None:
@@ -48,11 +49,3 @@ def _local_dir_etag(path: Path, metadata: Path) -> str | None:
     except (OSError, ValueError, UnicodeDecodeError):
         return None
     return etag if fresh and _HEX64.fullmatch(etag) else None
-
-
-def _hash(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()

@@ -8,6 +8,7 @@ computes an offset or a padding.
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 import struct
 import zlib
@@ -133,6 +134,15 @@ def align_up(x: int, n: int) -> int:
 
 def crc32(data) -> int:
     return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def file_sha256(path) -> str:
+    """A file's SHA-256 in hex, as the lineage block names source and copied files (§7)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def encode_meta(block: dict) -> bytes:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -11,7 +10,7 @@ from pathlib import Path
 import torch
 
 from .format import (BACKBONE_FILE, HEADER_SIZE, QUANT_NAMES, VAULT_FILE, IndexEntry, RecordLayout, Reason,
-                     VaultError, VaultHeader, crc32, decode_meta, moe_layers_of, unpack_index)
+                     VaultError, VaultHeader, crc32, decode_meta, file_sha256, moe_layers_of, unpack_index)
 from .record import dequantize_record, record_biases, widen_record
 
 try:  # reading needs no compiled extension, but widens low-bit records natively where it is built
@@ -157,11 +156,7 @@ class Vault:
         path = self.directory / name
         if not path.is_file():
             return VaultError(Reason.MISSING_FILE, f"{name} is listed in the lineage block but missing", path=str(path))
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(8 << 20):
-                h.update(chunk)
-        if path.stat().st_size != want.get("bytes") or h.hexdigest() != want.get("sha256"):
+        if path.stat().st_size != want.get("bytes") or file_sha256(path) != want.get("sha256"):
             return VaultError(Reason.BAD_CHECKSUM, f"{name} differs from the size or SHA-256 in the lineage block",
                               path=str(path))
         return None
