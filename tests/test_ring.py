@@ -52,6 +52,29 @@ def test_reads_land_in_their_slots_checked(records_file, io):
     ring.close()
 
 
+def test_a_record_is_checked_at_its_first_read_by_a_ring(records_file, tmp_path):
+    """A model larger than its ring re-reads each record many times: a ring checks a record's CRC-32 when it
+    first reads it and trusts its later reads of the same record. Another ring checks it afresh; a ring
+    made not to verify (the benchmarks' probe of the disk) never does."""
+    source, records = records_file
+    path = tmp_path / "records.bin"
+    path.write_bytes(source.read_bytes())
+    ring = Ring(path, 1, LAYOUT.record_bytes, "buffered")
+    assert load(ring, 0, 0, records) == SlotState.IN_USE
+    ring.set_state(0, SlotState.READY)
+    with open(path, "r+b") as f:  # the record changes on disk after the ring checked it
+        f.seek(100)
+        f.write(bytes([records[0][100] ^ 0xFF]))
+    assert load(ring, 0, 0, records) == SlotState.IN_USE
+    assert ring.view(0)[100] == records[0][100] ^ 0xFF  # the bytes as read, not a copy kept from before
+    fresh = Ring(path, 1, LAYOUT.record_bytes, "buffered")
+    assert load(fresh, 0, 0, records) == SlotState.FAILED and fresh.failure(0)[1]
+    probe = Ring(path, 1, LAYOUT.record_bytes, "buffered", verify=False)
+    assert load(probe, 0, 0, records) == SlotState.IN_USE
+    for r in (ring, fresh, probe):
+        r.close()
+
+
 @pytest.mark.parametrize("io_threads", [1, 3])
 def test_background_reads_land_ready_beside_demand_reads(records_file, io_threads):
     """Background reads (preload) are checked like any read and leave their slots READY (not pinned);

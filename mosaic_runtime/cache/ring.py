@@ -26,12 +26,15 @@ class SlotState(enum.IntEnum):
 
 
 class Ring:
-    def __init__(self, path, n_slots: int, slot_bytes: int, io: str, io_threads: int = 4, notice=None):
+    def __init__(self, path, n_slots: int, slot_bytes: int, io: str, io_threads: int = 4, notice=None,
+                 verify: bool = True):
+        """verify: check each record's CRC-32 the first time the ring reads it, and trust its later reads
+        (the same offset, length and CRC-32); False never checks (a benchmark's probe of the disk)."""
         if n_slots < 1:
             raise ValueError("a ring needs at least one slot")
         direct_fd, buffered_fd = open_for_reads(path, io, notice)
         self.path, self.notice, self._noticed = str(path), notice, False
-        self.native = _io.ExpertRing(direct_fd, buffered_fd, n_slots, slot_bytes, io_threads)
+        self.native = _io.ExpertRing(direct_fd, buffered_fd, n_slots, slot_bytes, io_threads, verify)
         self.n_slots, self.slot_bytes = n_slots, slot_bytes
         self._direct = direct_fd >= 0
         self._array = self.native.view()  # [n_slots, slot_bytes] uint8, no copy
@@ -60,7 +63,8 @@ class Ring:
 
     def submit(self, slot: int, offset: int, length: int, crc32: int, background: bool = False,
                widen: int = 0) -> None:
-        """Start reading a record into slot (LOADING, then IN_USE once its CRC-32 checks, or FAILED).
+        """Start reading a record into slot (LOADING, then IN_USE once its CRC-32 checks, or FAILED; a
+        record already checked by this ring is not checked again).
 
         background: a fill ahead of need. It starts only while no other read is queued or in progress
         (one at a time), and leaves the slot READY.

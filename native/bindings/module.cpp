@@ -413,8 +413,8 @@ void init_io(nb::module_& m) {
     widen_record(buf.data(), QuantType(stored), hidden, intermediate);
   }, nb::arg("buf"), nb::arg("stored"), nb::arg("hidden"), nb::arg("intermediate"));
   nb::class_<ExpertRing>(io, "ExpertRing")
-      .def(nb::init<int, int, uint64_t, uint64_t, int>(), nb::arg("direct_fd"), nb::arg("buffered_fd"),
-           nb::arg("n_slots"), nb::arg("slot_bytes"), nb::arg("io_threads"))
+      .def(nb::init<int, int, uint64_t, uint64_t, int, bool>(), nb::arg("direct_fd"), nb::arg("buffered_fd"),
+           nb::arg("n_slots"), nb::arg("slot_bytes"), nb::arg("io_threads"), nb::arg("verify") = true)
       .def_prop_ro("n_slots", &ExpertRing::n_slots)
       .def_prop_ro("slot_bytes", &ExpertRing::slot_bytes)
       .def_prop_ro("address", [](const ExpertRing& r) { return reinterpret_cast<uintptr_t>(r.memory()); })

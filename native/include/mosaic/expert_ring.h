@@ -1,6 +1,6 @@
 // The expert ring: slots allocated once (page-aligned, one whole record each), an atomic state per slot,
 // and background I/O threads that read records into slots and check their CRC-32 before marking them
-// usable. Which record lives in which slot is decided by the caller (the LRU policy); the ring only
+// usable (the first time a record is read: see `verify`). Which record lives in which slot is decided by the caller (the LRU policy); the ring only
 // moves bytes and publishes states.
 #pragma once
 
@@ -11,6 +11,8 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "mosaic/kernels.h"
@@ -32,7 +34,12 @@ class ExpertRing final : public Arrivals {
  public:
   // direct_fd: the vault opened with O_DIRECT (or F_NOCACHE), or -1; buffered_fd: opened plainly, used when
   // direct_fd is -1 and as the fallback when a Direct-I/O read is refused (EINVAL). The ring owns both.
-  ExpertRing(int direct_fd, int buffered_fd, uint64_t n_slots, uint64_t slot_bytes, int io_threads);
+  // verify: check a record's CRC-32 the first time this ring reads it, and trust later reads of the same
+  // record (offset, length and CRC-32 as the index gives them): the file's bytes were shown intact, and a
+  // model larger than its ring re-reads each record many times, and checking every read took CPU time its
+  // decode needed. false: never check (a probe of the disk's own speed).
+  ExpertRing(int direct_fd, int buffered_fd, uint64_t n_slots, uint64_t slot_bytes, int io_threads,
+             bool verify = true);
   ~ExpertRing() override;
   ExpertRing(const ExpertRing&) = delete;
   ExpertRing& operator=(const ExpertRing&) = delete;
@@ -102,7 +109,8 @@ class ExpertRing final : public Arrivals {
     }
   };
   void worker();
-  bool read_all(const Request& r, ReadFailure& f);  // read, check the CRC-32, widen
+  bool read_all(const Request& r, ReadFailure& f);  // read, check the CRC-32 (if not yet checked), widen
+  bool intact(const Request& r, const uint8_t* bytes);  // the CRC-32 matches, or matched at an earlier read
   bool pread_record(const Request& r, ReadFailure& f, uint8_t* dst);  // the bytes alone, timed as busy
 
   int direct_fd_, buffered_fd_;
@@ -123,6 +131,10 @@ class ExpertRing final : public Arrivals {
   std::atomic<bool> fell_back_{false};
   std::atomic<int> faults_left_{0}, fault_errno_{0};
   std::atomic<uint64_t> bytes_read_{0};
+  // verify: records whose CRC-32 matched, by offset, with the length and CRC-32 they were checked against
+  const bool verify_;
+  std::mutex checked_mu_;
+  std::unordered_map<uint64_t, std::pair<uint64_t, uint32_t>> checked_;
   // busy_seconds: reads in progress, when the latest stretch of busy time began, and the closed stretches
   mutable std::mutex busy_mu_;
   int reading_ = 0;
