@@ -1,7 +1,7 @@
 // The expert ring: slots allocated once (page-aligned, one whole record each), an atomic state per slot,
-// and background I/O threads that read records into slots and check their CRC-32 before marking them
-// usable (the first time a record is read: see `verify`). Which record lives in which slot is decided by the caller (the LRU policy); the ring only
-// moves bytes and publishes states.
+// and background I/O threads that read records into slots and check their CRC-32 (at a record's first read:
+// see `verify`) before marking them usable. Which record lives in which slot is decided by the caller (the
+// store's policy); the ring only moves bytes and publishes states.
 #pragma once
 
 #include <atomic>
@@ -35,8 +35,8 @@ class ExpertRing final : public Arrivals {
   // direct_fd: the vault opened with O_DIRECT (or F_NOCACHE), or -1; buffered_fd: opened plainly, used when
   // direct_fd is -1 and as the fallback when a Direct-I/O read is refused (EINVAL). The ring owns both.
   // verify: check a record's CRC-32 the first time this ring reads it, and trust later reads of the same
-  // record (offset, length and CRC-32 as the index gives them): the file's bytes were shown intact, and a
-  // model larger than its ring re-reads each record many times, and checking every read took CPU time its
+  // record (offset, length and CRC-32 as the index gives them), whose bytes on disk were shown intact. A
+  // model larger than its ring re-reads each record many times; checking every read took CPU time its
   // decode needed. false: never check (a probe of the disk's own speed).
   ExpertRing(int direct_fd, int buffered_fd, uint64_t n_slots, uint64_t slot_bytes, int io_threads,
              bool verify = true);
