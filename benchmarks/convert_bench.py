@@ -1,6 +1,6 @@
 """Convert throughput next to this disk's raw read and write speed, measured in the same run, and peak RSS.
 
-    python benchmarks/convert_bench.py [--layers 2] [--data bench-data] [--hub-cache | --local-dir]
+    python benchmarks/convert_bench.py [--layers 2] [--data bench-data] [--hub-cache | --local-dir | --git-clone]
 
 Builds (once) a bf16 checkpoint with Qwen3-30B-A3B's per-layer geometry (hidden 2048, 128 experts of
 768, vocab 8192) and `--layers` MoE layers, about 1.3 GB a layer, in 1 GiB shards. Then, with the page
@@ -10,7 +10,8 @@ each in a fresh process whose peak RSS is reported beside probe's bound. `--hub-
 of the same files laid out as the Hugging Face cache keeps a download (snapshot symlinks to blobs named by
 their SHA-256), where convert takes the lineage's hashes from the blob names instead of hashing the source;
 `--local-dir` from a view laid out as `hf download --local-dir` leaves one (the files, and a metadata file
-for each recording its SHA-256), where convert takes them from that metadata.
+for each recording its SHA-256), where convert takes them from that metadata; `--git-clone` from a git
+repository with the weights in git-lfs (needs git and git-lfs), where convert takes them from the pointers.
 """
 
 from __future__ import annotations
@@ -72,6 +73,33 @@ def local_dir_view(ckpt: Path) -> Path:
         os.link(f, link)
         (metadata / f"{f.name}.metadata").write_text(f"bench\n{source_sha256(f)}\n{time.time()}\n")
     partial.rename(root)
+    return root
+
+
+def git_clone_view(ckpt: Path) -> Path:
+    """The checkpoint as `git clone` with git-lfs leaves it: the files in a work tree, a pointer naming each
+    weight file's SHA-256 in the index, the objects in .git/lfs/objects (a copy of the weights: git-lfs keeps
+    one). Built once beside it with the real git and git-lfs; the files are hard links to the same bytes.
+    Refreshed each time as `git status` would, since a link made to those bytes later changes their ctime."""
+    root = ckpt.parent / f"{ckpt.name}-git"
+    git = lambda *a: subprocess.run(["git", "-C", str(root), *a], check=True, capture_output=True)  # noqa: E731
+    if not root.is_dir():
+        partial = ckpt.parent / f"{ckpt.name}-git.partial"
+        partial.mkdir(exist_ok=True)
+        for f in sorted(p for p in ckpt.iterdir() if p.is_file()):
+            (partial / f.name).unlink(missing_ok=True)
+            os.link(f, partial / f.name)
+        partial.rename(root)
+        git("init", "-q")
+        git("lfs", "install", "--local")
+        git("lfs", "track", "*.safetensors")
+        git("add", ".")
+        git("-c", "user.name=bench", "-c", "user.email=bench@localhost", "commit", "-qm", "checkpoint")
+    time.sleep(0.05)  # past the index's timestamp, so that a refresh leaves nothing racily clean
+    git("status", "--short")
+    from mosaic_shatter.git_lfs import lfs_sha256
+    if any(lfs_sha256(f) is None for f in root.glob("*.safetensors")):
+        raise SystemExit(f"{root}: git-lfs's pointers do not name the files; delete it to rebuild it")
     return root
 
 
@@ -143,12 +171,16 @@ def main() -> None:
     layout.add_argument("--hub-cache", action="store_true", help="convert from the files laid out as the Hub's cache")
     layout.add_argument("--local-dir", action="store_true",
                         help="convert from the files laid out as `hf download --local-dir` leaves them")
+    layout.add_argument("--git-clone", action="store_true",
+                        help="convert from the files as a `git clone` with git-lfs leaves them (needs git-lfs)")
     args = ap.parse_args()
     ckpt = build_checkpoint(args.data / f"qwen3-30b-geometry-{args.layers}l", args.layers)
     if args.hub_cache:
         ckpt = hub_cache_view(ckpt)
     elif args.local_dir:
         ckpt = local_dir_view(ckpt)
+    elif args.git_clone:
+        ckpt = git_clone_view(ckpt)
     files = sorted(ckpt.glob("*.safetensors"))
     source_bytes = sum(f.stat().st_size for f in files)
 
@@ -163,7 +195,8 @@ def main() -> None:
     read_gbs = n / dt / 1e9
     write_gbs = source_bytes / raw_write(args.data / "write-test.bin", source_bytes) / 1e9
     layout = ("; laid out as the Hub's cache" if args.hub_cache else
-              "; laid out as an `hf download --local-dir`" if args.local_dir else "")
+              "; laid out as an `hf download --local-dir`" if args.local_dir else
+              "; a git-lfs clone" if args.git_clone else "")
     cache = "dropped" if cold else "WARM"
     print(f"source: {source_bytes / 1e9:.2f} GB in {len(files)} shards{layout}; page cache {cache}")
     print(f"raw O_DIRECT read {read_gbs:.2f} GB/s, raw O_DIRECT write {write_gbs:.2f} GB/s (4 MiB requests)")

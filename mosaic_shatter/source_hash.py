@@ -6,7 +6,9 @@ already know each weight file's SHA-256 (the Hub's ETag of a file stored in LFS)
 - the Hub's cache keeps the bytes in `blobs/<sha256>` behind the snapshot's symlinks;
 - `hf download --local-dir` writes `.cache/huggingface/download/<path>.metadata` into the directory:
   the commit, the ETag and when it was written. `huggingface_hub` trusts it while the file is no newer
-  than that (one second of slack for coarse modification times), and so does this module.
+  than that (one second of slack for coarse modification times), and so does this module;
+- `git clone` with git-lfs leaves a pointer naming the SHA-256 in the index, trusted while git would call the
+  file unchanged (`git_lfs.py`).
 Anything else is hashed.
 """
 
@@ -18,6 +20,8 @@ from pathlib import Path
 
 from mosaic_runtime.vault.format import file_sha256
 
+from .git_lfs import lfs_sha256
+
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _LOCAL_DIR_METADATA = Path(".cache") / "huggingface" / "download"
 
@@ -28,7 +32,8 @@ def source_sha256(path: Path) -> str:
 
 
 def recorded_sha256(path: Path) -> str | None:
-    """The SHA-256 a Hugging Face download recorded for the file, or None."""
+    """The SHA-256 a download (the Hub's cache, an `hf download --local-dir`, a git-lfs clone) recorded for the
+    file, or None."""
     blob = Path(os.path.realpath(path)).name
     if _HEX64.fullmatch(blob):
         return blob
@@ -37,7 +42,7 @@ def recorded_sha256(path: Path) -> str | None:
         metadata = local_dir / _LOCAL_DIR_METADATA / f"{path.relative_to(local_dir)}.metadata"
         if metadata.is_file():
             return _local_dir_etag(path, metadata)
-    return None
+    return lfs_sha256(path)
 
 
 def _local_dir_etag(path: Path, metadata: Path) -> str | None:

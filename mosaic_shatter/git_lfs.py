@@ -1,0 +1,166 @@
+"""The SHA-256 git-lfs recorded for a file checked out in a git clone, when git would call the file unchanged.
+
+`git clone https://huggingface.co/<repo>` with git-lfs installed leaves each weight file in the work tree and,
+in the index, a pointer blob naming its SHA-256 (`oid sha256:<hex>`) and size. Git decides that a file is
+unchanged since it was checked out by comparing its stat data with what the index recorded, without reading
+it; so does this module. It reads the index itself rather than running git: a checkpoint's `.git/config` can
+name commands (filters, an fsmonitor) that git would run, and a converter must not run what a download says.
+
+The pointer blob is not read from git's object store either (a clone packs it): its id is the SHA-1 of a
+pointer text that only the SHA-256 and the size determine, so each object git-lfs keeps in
+`.git/lfs/objects/` is a candidate whose pointer id is computed and compared with the index entry's.
+Anything unusual (a sha256-object-format repository, a pointer with extensions, a pruned LFS store, a file
+touched since the checkout or within the index's own timestamp) gives None, and the file is hashed.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_ENTRY = struct.Struct(">10I20sH")  # ctime s, ns, mtime s, ns, dev, ino, mode, uid, gid, size; SHA-1; flags
+_EXTENDED, _STAGE, _SKIP_WORKTREE = 0x4000, 0x3000, 0x4000  # flags; the last is in the extended flags
+_REGULAR_FILE = 0o100000
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    """What the index recorded about a work-tree file when git last wrote or checked it."""
+    ctime: tuple[int, int]  # seconds (low 32 bits), nanoseconds
+    mtime: tuple[int, int]
+    ino: int  # low 32 bits, as every stat field here
+    mode: int
+    uid: int
+    gid: int
+    size: int
+    blob: bytes  # SHA-1 of the staged content: for an LFS file, its pointer
+
+
+def lfs_sha256(path: Path) -> str | None:
+    """The SHA-256 of `path` as its git-lfs pointer records it, or None (not in such a checkout, or changed)."""
+    path = Path(os.path.abspath(path))
+    for root in path.parents:
+        git_dir = _git_dir(root / ".git")
+        if git_dir is not None:
+            break
+    else:
+        return None
+    try:
+        index = git_dir / "index"
+        index_stat = index.stat()
+        entries = _read_index(index, index_stat.st_mtime_ns, index_stat.st_size, index_stat.st_ino)
+        entry = entries.get(path.relative_to(root).as_posix())
+        stat = path.stat()
+    except (OSError, ValueError, IndexError, struct.error):  # no index, or one this reader cannot parse
+        return None
+    if entry is None or not _unchanged(entry, stat) or stat.st_mtime_ns >= index_stat.st_mtime_ns:
+        return None  # the last: "racily clean", changed within the index's own timestamp, as git would suspect
+    for oid in _lfs_objects(_common_dir(git_dir) / "lfs" / "objects"):
+        if _pointer_blob_id(oid, stat.st_size) == entry.blob:
+            return oid
+    return None
+
+
+def _git_dir(dot_git: Path) -> Path | None:
+    """The repository behind a work tree's `.git`: the directory itself, or where a `gitdir:` file points."""
+    try:
+        if dot_git.is_dir():
+            git_dir = dot_git
+        elif dot_git.is_file():
+            line = dot_git.read_text(encoding="utf-8").strip()
+            if not line.startswith("gitdir:"):
+                return None
+            git_dir = dot_git.parent / line.removeprefix("gitdir:").strip()
+        else:
+            return None
+        config = (_common_dir(git_dir) / "config").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    if re.search(r"^\s*objectformat\s*=\s*sha256", config, re.IGNORECASE | re.MULTILINE):
+        return None  # object ids of 32 bytes: neither the index entries nor the pointer id below are SHA-1
+    return git_dir
+
+
+def _common_dir(git_dir: Path) -> Path:
+    """A linked work tree's repository shares its LFS store and config with the main one (`commondir`)."""
+    try:
+        return git_dir / (git_dir / "commondir").read_text(encoding="utf-8").strip()
+    except OSError:
+        return git_dir
+
+
+@functools.lru_cache(maxsize=8)
+def _read_index(index: Path, _mtime_ns: int, _size: int, _ino: int) -> dict[str, IndexEntry]:
+    """Stage-0, checked-out entries of a git index (versions 2-4), by path. Cached while the file is the same."""
+    data = index.read_bytes()
+    signature, version, count = struct.unpack_from(">4sII", data)
+    if signature != b"DIRC" or version not in (2, 3, 4):
+        raise ValueError(f"{index}: not a git index of version 2-4")
+    if data[-20:] not in (hashlib.sha1(data[:-20]).digest(), bytes(20)):  # zeros: written with index.skipHash
+        raise ValueError(f"{index}: checksum mismatch")
+    entries: dict[str, IndexEntry] = {}
+    at, previous = 12, b""
+    for _ in range(count):
+        *stat, blob, flags = _ENTRY.unpack_from(data, at)
+        name_at = at + _ENTRY.size
+        extended = 0
+        if flags & _EXTENDED:
+            (extended,) = struct.unpack_from(">H", data, name_at)
+            name_at += 2
+        if version == 4:  # the path is the previous one less N bytes, then a NUL-terminated suffix
+            strip, name_at = _varint(data, name_at)
+            end = data.index(b"\0", name_at)
+            name = previous[:len(previous) - strip] + data[name_at:end]
+            at = end + 1
+        else:  # NUL-terminated, the entry padded to a multiple of 8 bytes
+            end = data.index(b"\0", name_at)
+            name = data[name_at:end]
+            at += (end - at + 8) & ~7
+        previous = name
+        if flags & _STAGE or extended & _SKIP_WORKTREE:
+            continue  # a merge conflict's side, or a path not in the work tree
+        ctime_s, ctime_ns, mtime_s, mtime_ns, _dev, ino, mode, uid, gid, size = stat
+        entries[name.decode("utf-8", "surrogateescape")] = IndexEntry(
+            (ctime_s, ctime_ns), (mtime_s, mtime_ns), ino, mode, uid, gid, size, blob)
+    return entries
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    """Git's offset varint (each continuation adds one before shifting), and where it ends."""
+    c = data[at]
+    value = c & 0x7F
+    while c & 0x80:
+        at += 1
+        c = data[at]
+        value = ((value + 1) << 7) | (c & 0x7F)
+    return value, at + 1
+
+
+def _unchanged(entry: IndexEntry, stat: os.stat_result) -> bool:
+    """Git's test that a file is as the index recorded it (`ie_match_stat`), to the nanosecond."""
+    low = 0xFFFFFFFF
+    return (entry.mode & 0o170000 == _REGULAR_FILE
+            and entry.mtime == ((stat.st_mtime_ns // 10**9) & low, stat.st_mtime_ns % 10**9)
+            and entry.ctime == ((stat.st_ctime_ns // 10**9) & low, stat.st_ctime_ns % 10**9)
+            and entry.ino == stat.st_ino & low and entry.uid == stat.st_uid & low
+            and entry.gid == stat.st_gid & low and entry.size == stat.st_size & low)
+
+
+def _lfs_objects(store: Path) -> list[str]:
+    """The SHA-256 of every object in git-lfs's local store (`objects/ab/cd/abcd...`)."""
+    try:
+        return [p.name for p in store.glob("??/??/*") if _HEX64.fullmatch(p.name)]
+    except OSError:
+        return []
+
+
+def _pointer_blob_id(oid: str, size: int) -> bytes:
+    """The git blob id of the git-lfs pointer for an object (spec v1, no extensions)."""
+    pointer = f"version https://git-lfs.github.com/spec/v1\noid sha256:{oid}\nsize {size}\n".encode()
+    return hashlib.sha1(b"blob %d\0" % len(pointer) + pointer).digest()
