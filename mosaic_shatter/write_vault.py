@@ -4,6 +4,11 @@ The writer walks an explicit state: OPEN (space reserved, header all zero) -> re
 order -> FINISHED (index, metadata and finally the header with its magic). A file whose writer did not
 reach FINISHED has no magic, so no reader opens it (vault_format.md §10); a later writer of the same plan
 may reopen it and keep the records that are whole (resume, recover).
+
+Records go to the disk with Direct I/O where the filesystem takes it: they start on and span whole 16 KiB
+pages, and a buffered write spends a core's time copying them into the page cache and writing the dirty
+pages back (1-2 s of system time for 1.3 GB of records on two cores, against 0.07 direct), time the
+encoders need. Header and metadata, written once at the end, stay buffered.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import enum
 import errno
 import itertools
+import mmap
 import os
 from dataclasses import replace
 
@@ -44,6 +50,28 @@ def reserve(fd: int, size: int, path) -> None:
         os.ftruncate(fd, size)  # a filesystem without fallocate: the size is set, space is not promised
 
 
+def _open_direct(path) -> int | None:
+    """A second descriptor of the file for Direct I/O writes, or None where the system or filesystem has
+    none (macOS, tmpfs)."""
+    if not hasattr(os, "O_DIRECT"):
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | os.O_DIRECT)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return None
+        raise
+
+
+def _pwrite_all(fd: int, data, offset: int) -> None:
+    """pwrite until every byte is written: a write may return short."""
+    with memoryview(data) as view:
+        view = view.cast("B")
+        while view:
+            n = os.pwrite(fd, view, offset)
+            view, offset = view[n:], offset + n
+
+
 class State(enum.Enum):
     OPEN = "open"
     FINISHED = "finished"
@@ -75,12 +103,17 @@ class VaultWriter:
         resume = resume and os.path.isfile(path) and os.path.getsize(path) == header.file_size
         self.resumed = resume  # an unfinished file was reopened: recover() may take its records back
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | (0 if resume else os.O_TRUNC), 0o644)
+        self.direct_fd: int | None = None
+        self._staging: mmap.mmap | None = None
         try:
             if not resume:
                 reserve(self.fd, header.file_size, path)
+            self.direct_fd = _open_direct(path)
         except BaseException:
             self.abort()
             raise
+        # Direct I/O moves the bytes by DMA from a page-aligned buffer: each record is copied into this one.
+        self._staging = mmap.mmap(-1, max(self.lengths)) if self.direct_fd is not None else None
 
     def recover(self, written: dict[int, int]) -> int:
         """Take back records an earlier writer of this file wrote ({record index: its CRC-32}), each only if
@@ -105,8 +138,23 @@ class VaultWriter:
             raise RuntimeError(f"writer is {self.state.value}")
         if len(record) != self.lengths[i]:
             raise ValueError(f"record {i} has {len(record)} bytes, expected {self.lengths[i]}")
-        os.pwrite(self.fd, record, self.record_offset(i))
+        if self.direct_fd is not None and not self._write_direct(i, record):
+            self._close_direct()  # the filesystem refuses direct writes after all: buffered from here on
+        if self.direct_fd is None:
+            _pwrite_all(self.fd, record, self.record_offset(i))
         self.crcs[i] = record_crc32(record)
+
+    def _write_direct(self, i: int, record) -> bool:
+        """Write record i with Direct I/O; False if the filesystem refused it (EINVAL: alignment)."""
+        try:
+            with memoryview(self._staging) as staging:
+                staging[:len(record)] = record
+                _pwrite_all(self.direct_fd, staging[:len(record)], self.record_offset(i))
+            return True
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            return False
 
     def finish(self, arch: bytes, lineage: bytes) -> None:
         """Write index and metadata, then the header, then fsync. Lengths must match the plan."""
@@ -124,15 +172,23 @@ class VaultWriter:
         for offset, blob in ((h.arch_offset, arch), (h.lineage_offset, lineage), (h.index_offset, index)):
             start = offset - h.arch_offset
             meta[start:start + len(blob)] = blob
-        os.pwrite(self.fd, meta, h.arch_offset)
+        _pwrite_all(self.fd, meta, h.arch_offset)
         final = replace(h, meta_crc32=crc32(meta))
         os.fsync(self.fd)  # records and metadata are durable before the header makes them valid
-        os.pwrite(self.fd, final.pack(), 0)
+        _pwrite_all(self.fd, final.pack(), 0)
         os.fsync(self.fd)
+        self._close_direct()
         os.close(self.fd)
         self.state = State.FINISHED
 
     def abort(self) -> None:
         if self.state is State.OPEN:
+            self._close_direct()
             os.close(self.fd)
             self.state = State.FAILED
+
+    def _close_direct(self) -> None:
+        if self.direct_fd is not None:
+            os.close(self.direct_fd)
+            self.direct_fd = None
+        self._staging = None  # unmapped once no view of it is left (an exception's traceback may hold one)

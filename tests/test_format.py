@@ -1,6 +1,7 @@
 """The byte layout: golden bytes, header round trips, and hostile files built byte by byte."""
 
 import dataclasses
+import errno
 import hashlib
 import struct
 import tracemalloc
@@ -17,6 +18,7 @@ from mosaic_runtime.vault.format import (BACKBONE_FILE, FLAG_EXPERT_BIAS, HEADER
                                          record_layout)
 from mosaic_runtime.vault.quant import quantize_fp8, quantize_mxfp4, quantize_q4
 from mosaic_runtime.vault.record import pack_record, record_biases
+from mosaic_shatter import write_vault
 from mosaic_shatter.write_vault import VaultWriter
 
 HIDDEN, INTER = 40, 24  # odd on purpose: partial Q4 blocks and partial FP8 tiles
@@ -101,6 +103,26 @@ def test_record_write_order_does_not_change_the_bytes(tmp_path):
     a = build_two_expert_vault(tmp_path / "a", order=(0, 1)).read_bytes()
     b = build_two_expert_vault(tmp_path / "b", order=(1, 0)).read_bytes()
     assert a == b
+
+
+def test_records_written_direct_buffered_or_after_a_refused_direct_write_give_the_same_bytes(tmp_path, monkeypatch):
+    opened = []
+    real_open, real_pwrite = write_vault._open_direct, write_vault._pwrite_all
+    monkeypatch.setattr(write_vault, "_open_direct", lambda path: opened.append(real_open(path)) or opened[-1])
+    direct = build_two_expert_vault(tmp_path / "direct").read_bytes()
+    if opened[-1] is None:
+        pytest.skip("this filesystem takes no Direct I/O")
+
+    def refused(fd, data, offset):  # a filesystem that opens O_DIRECT but refuses the write
+        if fd == opened[-1]:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real_pwrite(fd, data, offset)
+    monkeypatch.setattr(write_vault, "_pwrite_all", refused)
+    after_refusal = build_two_expert_vault(tmp_path / "refused").read_bytes()
+    monkeypatch.setattr(write_vault, "_open_direct", lambda path: None)
+    buffered = build_two_expert_vault(tmp_path / "buffered").read_bytes()
+    assert hashlib.sha256(direct).hexdigest() == GOLDEN_FILE_SHA256
+    assert direct == after_refusal == buffered
 
 
 # --- round trips --------------------------------------------------------------------------------
