@@ -60,26 +60,27 @@ def _clone(git, source, tmp_path):
     return clone
 
 
-def test_a_checked_out_lfs_file_is_named_by_its_pointer(git, tmp_path):
+def _cloned_weights(git, tmp_path, nbytes=1 << 20):
+    """A clone of one random weight file and a config.json: (the weights in its work tree, its index)."""
     src = tmp_path / "src"
     src.mkdir()
-    (src / "model.safetensors").write_bytes(os.urandom(3 << 20))
+    (src / "model.safetensors").write_bytes(os.urandom(nbytes))
     (src / "config.json").write_text("{}")
     clone = _clone(git, src, tmp_path)
-    weights = clone / "model.safetensors"
-    assert lfs_sha256(weights) == _sha256(weights)
-    assert lfs_sha256(clone / "config.json") is None  # in git itself, not LFS: hashed
+    return clone / "model.safetensors", clone / ".git" / "index"
 
-    git("update-index", "--index-version", "4", cwd=clone)  # paths stored prefix-compressed
+
+def test_a_checked_out_lfs_file_is_named_by_its_pointer(git, tmp_path):
+    weights, _ = _cloned_weights(git, tmp_path, 3 << 20)
+    assert lfs_sha256(weights) == _sha256(weights)
+    assert lfs_sha256(weights.parent / "config.json") is None  # in git itself, not LFS: hashed
+
+    git("update-index", "--index-version", "4", cwd=weights.parent)  # paths stored prefix-compressed
     assert lfs_sha256(weights) == _sha256(weights)
 
 
 def test_a_file_changed_since_the_checkout_is_hashed(git, tmp_path):
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "model.safetensors").write_bytes(os.urandom(1 << 20))
-    clone = _clone(git, src, tmp_path)
-    weights, index = clone / "model.safetensors", clone / ".git" / "index"
+    weights, index = _cloned_weights(git, tmp_path)
     before = weights.stat()
     with open(weights, "r+b") as f:  # same size, other bytes
         f.write(b"edited")
@@ -91,27 +92,19 @@ def test_a_file_changed_since_the_checkout_is_hashed(git, tmp_path):
 
 
 def test_a_file_as_new_as_the_index_or_without_its_lfs_object_is_hashed(git, tmp_path):
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "model.safetensors").write_bytes(os.urandom(1 << 20))
-    clone = _clone(git, src, tmp_path)
-    weights, index = clone / "model.safetensors", clone / ".git" / "index"
+    weights, index = _cloned_weights(git, tmp_path)
     # Racily clean: changed within the index's timestamp, git would read the file to tell.
     file_mtime = weights.stat().st_mtime_ns
     os.utime(index, ns=(file_mtime, file_mtime))
     assert lfs_sha256(weights) is None
     os.utime(index, ns=(file_mtime + 10**9, file_mtime + 10**9))
     assert lfs_sha256(weights) == _sha256(weights)
-    shutil.rmtree(clone / ".git" / "lfs" / "objects")  # `git lfs prune`d: nothing to name the pointer by
+    shutil.rmtree(index.parent / "lfs" / "objects")  # `git lfs prune`d: nothing to name the pointer by
     assert lfs_sha256(weights) is None
 
 
 def test_a_damaged_index_is_hashed_not_raised(git, tmp_path):
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "model.safetensors").write_bytes(os.urandom(1 << 20))
-    clone = _clone(git, src, tmp_path)
-    weights, index = clone / "model.safetensors", clone / ".git" / "index"
+    weights, index = _cloned_weights(git, tmp_path)
     data = index.read_bytes()
     for cut in range(0, 200, 7):
         index.write_bytes(data[:cut])
