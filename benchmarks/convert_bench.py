@@ -6,7 +6,8 @@ Builds (once) a bf16 checkpoint with Qwen3-30B-A3B's per-layer geometry (hidden 
 768, vocab 8192) and `--layers` MoE layers, about 1.3 GB a layer, in 1 GiB shards. Then, with the page
 cache dropped before each step (needs root; otherwise the figures are warm and say so):
 raw O_DIRECT read of the shards, raw O_DIRECT write of as many bytes, and `convert --quant q4|fp8`,
-each in a fresh process whose peak RSS is reported beside probe's bound. `--hub-cache` converts from a view
+each in a fresh process whose peak RSS is reported beside probe's bound. The I/O floor is what one disk
+needs to read the source and write the output (backbone and vault) at those raw rates. `--hub-cache` converts from a view
 of the same files laid out as the Hugging Face cache keeps a download (snapshot symlinks to blobs named by
 their SHA-256), where convert takes the lineage's hashes from the blob names instead of hashing the source;
 `--local-dir` from a view laid out as `hf download --local-dir` leaves one (the files, and a metadata file
@@ -200,15 +201,21 @@ def main() -> None:
     cache = "dropped" if cold else "WARM"
     print(f"source: {source_bytes / 1e9:.2f} GB in {len(files)} shards{layout}; page cache {cache}")
     print(f"raw O_DIRECT read {read_gbs:.2f} GB/s, raw O_DIRECT write {write_gbs:.2f} GB/s (4 MiB requests)")
-    print("| quant | seconds | source GB/s | vs raw read | peak RSS | probe's bound |")
-    print("|---|---|---|---|---|---|")
+    print("| quant | seconds | source GB/s | vs raw read | output GB | I/O floor s (vs it) | peak RSS | probe's bound |")
+    print("|---|---|---|---|---|---|---|---|")
     for quant in ("q4", "fp8"):
         drop_caches()
-        out = subprocess.run([sys.executable, "-c", CONVERT, str(ckpt), str(args.data / f"out-{quant}"), quant],
+        out_dir = args.data / f"out-{quant}"
+        out = subprocess.run([sys.executable, "-c", CONVERT, str(ckpt), str(out_dir), quant],
                              capture_output=True, text=True, check=True).stdout.split()
         seconds, rss = float(out[0]), int(out[1])
         gbs = source_bytes / seconds / 1e9
-        print(f"| {quant} | {seconds:.1f} | {gbs:.2f} | {gbs / read_gbs:.2f} | {rss / 2**30:.2f} GiB "
+        # The disk's own bound for this convert: the source read and the output written, one after the other
+        # (one disk does both), at the raw rates above.
+        written = sum(f.stat().st_size for f in out_dir.iterdir() if f.is_file())
+        floor = source_bytes / (read_gbs * 1e9) + written / (write_gbs * 1e9)
+        print(f"| {quant} | {seconds:.1f} | {gbs:.2f} | {gbs / read_gbs:.2f} | {written / 1e9:.2f} "
+              f"| {floor:.2f} ({seconds / floor:.2f}x) | {rss / 2**30:.2f} GiB "
               f"| {bound / 2**30:.2f} GiB |")
 
 
