@@ -45,11 +45,9 @@ class IndexEntry:
 def lfs_sha256(path: Path) -> str | None:
     """The SHA-256 of `path` as its git-lfs pointer records it, or None (not in such a checkout, or changed)."""
     path = Path(os.path.abspath(path))
-    for root in path.parents:
-        git_dir = _git_dir(root / ".git")
-        if git_dir is not None:
-            break
-    else:
+    root = next((parent for parent in path.parents if os.path.lexists(parent / ".git")), None)
+    git_dir = _git_dir(root / ".git") if root is not None else None
+    if git_dir is None:
         return None
     try:
         index = git_dir / "index"

@@ -113,7 +113,10 @@ class VaultWriter:
             self.abort()
             raise
         # Direct I/O moves the bytes by DMA from a page-aligned buffer: each record is copied into this one.
-        self._staging = mmap.mmap(-1, max(self.lengths)) if self.direct_fd is not None else None
+        if self.direct_fd is not None and self.lengths:
+            self._staging = mmap.mmap(-1, max(self.lengths))
+        else:
+            self._close_direct()
 
     def recover(self, written: dict[int, int]) -> int:
         """Take back records an earlier writer of this file wrote ({record index: its CRC-32}), each only if
