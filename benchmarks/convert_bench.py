@@ -7,12 +7,14 @@ Builds (once) a bf16 checkpoint with Qwen3-30B-A3B's per-layer geometry (hidden 
 cache dropped before each step (needs root; otherwise the figures are warm and say so):
 raw O_DIRECT read of the shards, raw O_DIRECT write of as many bytes, and `convert --quant q4|fp8`,
 each in a fresh process whose peak RSS is reported beside probe's bound. The I/O floor is what one disk
-needs to read the source and write the output (backbone and vault) at those raw rates. `--hub-cache` converts from a view
-of the same files laid out as the Hugging Face cache keeps a download (snapshot symlinks to blobs named by
-their SHA-256), where convert takes the lineage's hashes from the blob names instead of hashing the source;
-`--local-dir` from a view laid out as `hf download --local-dir` leaves one (the files, and a metadata file
-for each recording its SHA-256), where convert takes them from that metadata; `--git-clone` from a git
-repository with the weights in git-lfs (needs git and git-lfs), where convert takes them from the pointers.
+needs to read the source and write the output (backbone and vault) at those raw rates, one after the
+other: a bound for a disk that does one at a time, an estimate for one that overlaps them. `--hub-cache`
+converts from a view of the same files laid out as the Hugging Face cache keeps a download (snapshot
+symlinks to blobs named by their SHA-256), where convert takes the lineage's hashes from the blob names
+instead of hashing the source; `--local-dir` from a view laid out as `hf download --local-dir` leaves one
+(the files, and a metadata file for each recording its SHA-256), where convert takes them from that
+metadata; `--git-clone` from a git repository with the weights in git-lfs (needs git and git-lfs), where
+convert takes them from the pointers.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -83,21 +86,23 @@ def git_clone_view(ckpt: Path) -> Path:
     one). Built once beside it with the real git and git-lfs; the files are hard links to the same bytes.
     Refreshed each time as `git status` would, since a link made to those bytes later changes their ctime."""
     root = ckpt.parent / f"{ckpt.name}-git"
-    git = lambda *a: subprocess.run(["git", "-C", str(root), *a], check=True, capture_output=True)  # noqa: E731
+
+    def git(where: Path, *args: str) -> None:
+        subprocess.run(["git", "-C", str(where), *args], check=True, capture_output=True)
     if not root.is_dir():
         partial = ckpt.parent / f"{ckpt.name}-git.partial"
-        partial.mkdir(exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
         for f in sorted(p for p in ckpt.iterdir() if p.is_file()):
-            (partial / f.name).unlink(missing_ok=True)
             os.link(f, partial / f.name)
-        partial.rename(root)
-        git("init", "-q")
-        git("lfs", "install", "--local")
-        git("lfs", "track", "*.safetensors")
-        git("add", ".")
-        git("-c", "user.name=bench", "-c", "user.email=bench@localhost", "commit", "-qm", "checkpoint")
+        git(partial, "init", "-q")
+        git(partial, "lfs", "install", "--local")
+        git(partial, "lfs", "track", "*.safetensors")
+        git(partial, "add", ".")
+        git(partial, "-c", "user.name=bench", "-c", "user.email=bench@localhost", "commit", "-qm", "checkpoint")
+        partial.rename(root)  # renaming the directory changes no file's stat data: the index still holds
     time.sleep(0.05)  # past the index's timestamp, so that a refresh leaves nothing racily clean
-    git("status", "--short")
+    git(root, "status", "--short")
     from mosaic_shatter.git_lfs import lfs_sha256
     if any(lfs_sha256(f) is None for f in root.glob("*.safetensors")):
         raise SystemExit(f"{root}: git-lfs's pointers do not name the files; delete it to rebuild it")
@@ -201,7 +206,8 @@ def main() -> None:
     cache = "dropped" if cold else "WARM"
     print(f"source: {source_bytes / 1e9:.2f} GB in {len(files)} shards{layout}; page cache {cache}")
     print(f"raw O_DIRECT read {read_gbs:.2f} GB/s, raw O_DIRECT write {write_gbs:.2f} GB/s (4 MiB requests)")
-    print("| quant | seconds | source GB/s | vs raw read | output GB | I/O floor s (vs it) | peak RSS | probe's bound |")
+    print("| quant | seconds | source GB/s | vs raw read | output GB | I/O floor s, read + write (vs it) | peak RSS "
+          "| probe's bound |")
     print("|---|---|---|---|---|---|---|---|")
     for quant in ("q4", "fp8"):
         drop_caches()

@@ -50,17 +50,22 @@ def reserve(fd: int, size: int, path) -> None:
         os.ftruncate(fd, size)  # a filesystem without fallocate: the size is set, space is not promised
 
 
-def _open_direct(path) -> int | None:
-    """A second descriptor of the file for Direct I/O writes, or None where the system or filesystem has
-    none (macOS, tmpfs)."""
+def _open_direct(path, fd: int) -> int | None:
+    """A second descriptor of the file open as `fd`, for Direct I/O writes, or None where the system or
+    filesystem has none (macOS, tmpfs)."""
     if not hasattr(os, "O_DIRECT"):
         return None
     try:
-        return os.open(path, os.O_WRONLY | os.O_DIRECT)
+        direct = os.open(path, os.O_WRONLY | os.O_DIRECT)
     except OSError as e:
         if e.errno == errno.EINVAL:
             return None
         raise
+    a, b = os.fstat(fd), os.fstat(direct)
+    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):  # the path was replaced between the two opens
+        os.close(direct)
+        raise OSError(errno.ESTALE, "the file was replaced while being opened", str(path))
+    return direct
 
 
 def _pwrite_all(fd: int, data, offset: int) -> None:
@@ -69,6 +74,8 @@ def _pwrite_all(fd: int, data, offset: int) -> None:
         view = view.cast("B")
         while view:
             n = os.pwrite(fd, view, offset)
+            if n == 0:
+                raise OSError(errno.EIO, "a write made no progress")
             view, offset = view[n:], offset + n
 
 
@@ -108,15 +115,16 @@ class VaultWriter:
         try:
             if not resume:
                 reserve(self.fd, header.file_size, path)
-            self.direct_fd = _open_direct(path)
+            self.direct_fd = _open_direct(path, self.fd)
+            # Direct I/O moves the bytes by DMA from a page-aligned buffer, and a record comes as a bytearray
+            # (not aligned): each is copied into this one.
+            if self.direct_fd is not None and self.lengths:
+                self._staging = mmap.mmap(-1, max(self.lengths))
+            else:
+                self._close_direct()
         except BaseException:
             self.abort()
             raise
-        # Direct I/O moves the bytes by DMA from a page-aligned buffer: each record is copied into this one.
-        if self.direct_fd is not None and self.lengths:
-            self._staging = mmap.mmap(-1, max(self.lengths))
-        else:
-            self._close_direct()
 
     def recover(self, written: dict[int, int]) -> int:
         """Take back records an earlier writer of this file wrote ({record index: its CRC-32}), each only if

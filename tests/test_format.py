@@ -106,12 +106,18 @@ def test_record_write_order_does_not_change_the_bytes(tmp_path):
 
 
 def test_records_written_direct_buffered_or_after_a_refused_direct_write_give_the_same_bytes(tmp_path, monkeypatch):
-    opened = []
+    opened, direct_writes = [], []
     real_open, real_pwrite = write_vault._open_direct, write_vault._pwrite_all
-    monkeypatch.setattr(write_vault, "_open_direct", lambda path: opened.append(real_open(path)) or opened[-1])
+    monkeypatch.setattr(write_vault, "_open_direct", lambda path, fd: opened.append(real_open(path, fd)) or opened[-1])
+
+    def counted(fd, data, offset):
+        direct_writes.append(fd == opened[-1])
+        real_pwrite(fd, data, offset)
+    monkeypatch.setattr(write_vault, "_pwrite_all", counted)
     direct = build_two_expert_vault(tmp_path / "direct").read_bytes()
     if opened[-1] is None:
         pytest.skip("this filesystem takes no Direct I/O")
+    assert direct_writes.count(True) == 2  # both records went through the direct descriptor
 
     def refused(fd, data, offset):  # a filesystem that opens O_DIRECT but refuses the write
         if fd == opened[-1]:
@@ -119,7 +125,7 @@ def test_records_written_direct_buffered_or_after_a_refused_direct_write_give_th
         real_pwrite(fd, data, offset)
     monkeypatch.setattr(write_vault, "_pwrite_all", refused)
     after_refusal = build_two_expert_vault(tmp_path / "refused").read_bytes()
-    monkeypatch.setattr(write_vault, "_open_direct", lambda path: None)
+    monkeypatch.setattr(write_vault, "_open_direct", lambda path, fd: None)
     buffered = build_two_expert_vault(tmp_path / "buffered").read_bytes()
     assert hashlib.sha256(direct).hexdigest() == GOLDEN_FILE_SHA256
     assert direct == after_refusal == buffered

@@ -6,6 +6,7 @@ CI installs git-lfs and sets MOSAIC_REQUIRE_GIT_LFS, so there these tests cannot
 
 import hashlib
 import os
+import random
 import shutil
 import subprocess
 import time
@@ -16,7 +17,7 @@ from builders import tiny_qwen3_moe
 from mosaic_runtime.vault import open_vault
 from mosaic_shatter import source_hash
 from mosaic_shatter.convert import convert
-from mosaic_shatter.git_lfs import lfs_sha256
+from mosaic_shatter.git_lfs import _read_index, lfs_sha256
 
 if shutil.which("git") is None or subprocess.run(["git", "lfs", "version"], capture_output=True).returncode:
     if os.environ.get("MOSAIC_REQUIRE_GIT_LFS"):
@@ -110,6 +111,40 @@ def test_a_damaged_index_is_hashed_not_raised(git, tmp_path):
         index.write_bytes(data[:cut])
         assert lfs_sha256(weights) is None
     index.write_bytes(b"DIRC" + (9).to_bytes(4, "big") + data[8:])
+    assert lfs_sha256(weights) is None
+
+
+def test_damaged_entries_under_a_valid_checksum_name_the_file_rightly_or_not_at_all(git, tmp_path):
+    weights, index = _cloned_weights(git, tmp_path)
+    right = _sha256(weights)
+    git("update-index", "--index-version", "4", cwd=weights.parent)  # the varint paths too
+    data = index.read_bytes()
+    rng = random.Random(7)
+    for _ in range(300):
+        damaged = bytearray(data[:-20])
+        for _ in range(rng.randint(1, 4)):
+            damaged[rng.randrange(12, len(damaged))] = rng.randrange(256)
+        index.write_bytes(bytes(damaged) + hashlib.sha1(damaged).digest())
+        _read_index.cache_clear()  # the same size, perhaps the same mtime: not git's write of a new file
+        assert lfs_sha256(weights) in (None, right)
+
+
+def test_an_odd_repository_is_hashed_not_raised_or_waited_on(git, tmp_path):
+    weights, index = _cloned_weights(git, tmp_path)
+    clone = weights.parent
+    assert lfs_sha256(weights) is not None
+    shutil.move(clone / ".git", tmp_path / "repo.git")
+    for dot_git in (b"gitdir: \xff\xfe", b"not a gitdir line", b""):
+        (clone / ".git").write_bytes(dot_git)
+        assert lfs_sha256(weights) is None
+    (clone / ".git").write_text(f"gitdir: {tmp_path / 'repo.git'}\n")  # a linked work tree's form
+    assert lfs_sha256(weights) == _sha256(weights)
+    for commondir in (b"\xff\xfe", b"a\0b", b"../nowhere"):
+        (tmp_path / "repo.git" / "commondir").write_bytes(commondir)
+        assert lfs_sha256(weights) is None
+    (tmp_path / "repo.git" / "commondir").unlink()
+    (tmp_path / "repo.git" / "index").unlink()
+    os.mkfifo(tmp_path / "repo.git" / "index")  # a read would block forever
     assert lfs_sha256(weights) is None
 
 
