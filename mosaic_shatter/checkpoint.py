@@ -68,12 +68,28 @@ def read_json_object(path: Path) -> dict:
     return parse_json_object(path.read_bytes(), str(path))
 
 
+_LFS_POINTER = b"version https://git-lfs.github.com/spec/"  # a git-lfs pointer file's first line
+_LFS_POINTER_MAX = 1024  # the spec's bound on a pointer's size
+
+
+def check_not_lfs_pointer(path: Path) -> None:
+    """A git clone made without git-lfs (or with GIT_LFS_SKIP_SMUDGE) leaves a small pointer text in place of
+    every file stored in LFS: say so, rather than fail to parse it."""
+    if path.stat().st_size > _LFS_POINTER_MAX:
+        return
+    with open(path, "rb") as f:
+        if f.read(len(_LFS_POINTER)) == _LFS_POINTER:
+            raise CheckpointError(f"{path}: a git-lfs pointer, not the file itself (the clone did not fetch its LFS "
+                                  f"objects): run `git lfs pull` in {path.parent}")
+
+
 def _is_count(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     """Tensor descriptors of one safetensors file, checked against its size; reads only the header."""
+    check_not_lfs_pointer(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -135,7 +151,10 @@ class Checkpoint:
         config_path = self.directory / "config.json"
         if not config_path.is_file():
             raise CheckpointError(f"{self.directory}: no config.json (not a Hugging Face checkpoint?)")
+        check_not_lfs_pointer(config_path)
         self.config = read_json_object(config_path)
+        for f in self.tokenizer_files():  # copied into the output as they are
+            check_not_lfs_pointer(f)
         self.files = self._weight_files()
         self.tensors: dict[str, TensorInfo] = {}
         for f in self.files:

@@ -16,6 +16,7 @@ import pytest
 from builders import tiny_qwen3_moe
 from mosaic_runtime.vault import open_vault
 from mosaic_shatter import source_hash
+from mosaic_shatter.checkpoint import CheckpointError
 from mosaic_shatter.convert import convert
 from mosaic_shatter.git_lfs import _read_index, lfs_sha256
 
@@ -146,6 +147,18 @@ def test_an_odd_repository_is_hashed_not_raised_or_waited_on(git, tmp_path):
     (tmp_path / "repo.git" / "index").unlink()
     os.mkfifo(tmp_path / "repo.git" / "index")  # a read would block forever
     assert lfs_sha256(weights) is None
+
+
+def test_a_clone_that_skipped_the_lfs_download_is_refused_until_pulled(git, tmp_path, monkeypatch):
+    ckpt = tiny_qwen3_moe(tmp_path / "ckpt", seed=3)
+    monkeypatch.setenv("GIT_LFS_SKIP_SMUDGE", "1")  # as `git clone` without git-lfs installed leaves it
+    clone = _clone(git, ckpt, tmp_path)
+    with pytest.raises(CheckpointError, match="model.safetensors: a git-lfs pointer.*run `git lfs pull` in"):
+        convert(str(clone), tmp_path / "q4", "q4", progress=False)
+    git("lfs", "pull", cwd=clone)
+    with open_vault(convert(str(clone), tmp_path / "q4", "q4", progress=False).out) as v:
+        files = {f["name"]: f["sha256"] for f in v.lineage["files"]}
+    assert files["model.safetensors"] == _sha256(ckpt / "model.safetensors")
 
 
 def test_convert_takes_the_lineage_hash_from_a_git_lfs_clone(git, tmp_path, monkeypatch):

@@ -60,6 +60,18 @@ def test_a_safetensors_entry_that_is_not_a_tensor_is_refused(tmp_path, entry):
         Checkpoint(str(checkpoint(tmp_path / "c", qwen3(), {"model.embed_tokens.weight": entry})))
 
 
+POINTER = b"version https://git-lfs.github.com/spec/v1\noid sha256:" + b"ab" * 32 + b"\nsize 123456\n"
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "tokenizer.json", "config.json"])
+def test_a_git_lfs_pointer_in_place_of_a_file_says_to_fetch_it(tmp_path, name):
+    """What a git clone without git-lfs's download leaves (the real clone: tests/test_git_lfs.py)."""
+    ckpt = checkpoint(tmp_path / "c", qwen3())
+    (ckpt / name).write_bytes(POINTER)
+    with pytest.raises(CheckpointError, match=rf"{name}: a git-lfs pointer.*git lfs pull"):
+        Checkpoint(str(ckpt))
+
+
 @pytest.mark.parametrize("weight_map", [{"x": "../outside.safetensors"}, {"x": "/etc/passwd"}, ["model.safetensors"],
                                         {"x": 3}])
 def test_an_index_naming_files_outside_the_checkpoint_is_refused(tmp_path, weight_map):
