@@ -24,16 +24,29 @@ def open_for_reads(path, io: str, notice=None) -> tuple[int, int]:
     buffered = os.open(path, os.O_RDONLY)
     if io == "buffered":
         return -1, buffered
-    if sys.platform == "darwin":
-        direct = os.open(path, os.O_RDONLY)
-        fcntl.fcntl(direct, F_NOCACHE, 1)
-        return direct, buffered
     try:
-        return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)), buffered
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            os.close(buffered)
-            raise
+        direct = open_direct(path, os.O_RDONLY)
+    except OSError:
+        os.close(buffered)
+        raise
+    if direct is not None:
+        return direct, buffered
     if notice is not None:
         notice(f"mosaic: {path}: the filesystem refuses O_DIRECT; reading experts through the page cache instead")
     return -1, buffered
+
+
+def open_direct(path, flags: int) -> int | None:
+    """A descriptor of path (opened with flags) whose I/O bypasses the page cache: O_DIRECT, or F_NOCACHE on
+    macOS; None where the filesystem refuses O_DIRECT (tmpfs). The caller keeps transfers aligned."""
+    path = str(path)
+    if sys.platform == "darwin":
+        fd = os.open(path, flags)
+        fcntl.fcntl(fd, F_NOCACHE, 1)
+        return fd
+    try:
+        return os.open(path, flags | getattr(os, "O_DIRECT", 0))
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        return None

@@ -20,7 +20,7 @@ from mosaic_runtime.vault.quant import dequantize_fp8
 from . import int4_source
 from .checkpoint import Checkpoint
 from .plan import CHUNK_BYTES, BackboneTensor
-from .write_vault import reserve
+from .write_vault import pwrite_all, reserve
 
 _TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64,
                  "I32": torch.int32}
@@ -51,7 +51,7 @@ class _HashingWriter:
         self.fd, self.at, self.sha = fd, at, hashlib.sha256()
 
     def write(self, data) -> None:
-        os.pwrite(self.fd, data, self.at)
+        pwrite_all(self.fd, data, self.at)
         self.sha.update(data)
         self.at += len(data)
 

@@ -5,10 +5,10 @@ order -> FINISHED (index, metadata and finally the header with its magic). A fil
 reach FINISHED has no magic, so no reader opens it (vault_format.md §10); a later writer of the same plan
 may reopen it and keep the records that are whole (resume, recover).
 
-Records go to the disk with Direct I/O where the filesystem takes it: they start on and span whole 16 KiB
-pages, and a buffered write spends a core's time copying them into the page cache and writing the dirty
-pages back (1-2 s of system time for 1.3 GB of records on two cores, against 0.07 direct), time the
-encoders need. Header and metadata, written once at the end, stay buffered.
+Records go to the disk with Direct I/O (mosaic_runtime.io.open_direct) where the filesystem takes it: they
+start on and span whole 16 KiB pages, and a buffered write spends a core's time copying them into the page
+cache and writing the dirty pages back (1-2 s of system time for 1.3 GB of records on two cores, against
+0.07 direct), time the encoders need. Header and metadata, written once at the end, stay buffered.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import mmap
 import os
 from dataclasses import replace
 
+from mosaic_runtime.io import open_direct
 from mosaic_runtime.vault.format import IndexEntry, QuantType, VaultHeader, crc32, pack_index
 
 try:  # a convert runs without the compiled extension, but uses it when built
@@ -51,16 +52,11 @@ def reserve(fd: int, size: int, path) -> None:
 
 
 def _open_direct(path, fd: int) -> int | None:
-    """A second descriptor of the file open as `fd`, for Direct I/O writes, or None where the system or
-    filesystem has none (macOS, tmpfs)."""
-    if not hasattr(os, "O_DIRECT"):
+    """A second descriptor of the file open as `fd`, for Direct I/O writes, or None where the filesystem
+    refuses it (tmpfs)."""
+    direct = open_direct(path, os.O_WRONLY)
+    if direct is None:
         return None
-    try:
-        direct = os.open(path, os.O_WRONLY | os.O_DIRECT)
-    except OSError as e:
-        if e.errno == errno.EINVAL:
-            return None
-        raise
     a, b = os.fstat(fd), os.fstat(direct)
     if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):  # the path was replaced between the two opens
         os.close(direct)
@@ -68,7 +64,7 @@ def _open_direct(path, fd: int) -> int | None:
     return direct
 
 
-def _pwrite_all(fd: int, data, offset: int) -> None:
+def pwrite_all(fd: int, data, offset: int) -> None:
     """pwrite until every byte is written: a write may return short."""
     with memoryview(data) as view:
         view = view.cast("B")
@@ -152,7 +148,7 @@ class VaultWriter:
         if self.direct_fd is not None and not self._write_direct(i, record):
             self._close_direct()  # the filesystem refuses direct writes after all: buffered from here on
         if self.direct_fd is None:
-            _pwrite_all(self.fd, record, self.record_offset(i))
+            pwrite_all(self.fd, record, self.record_offset(i))
         self.crcs[i] = record_crc32(record)
 
     def _write_direct(self, i: int, record) -> bool:
@@ -160,7 +156,7 @@ class VaultWriter:
         try:
             with memoryview(self._staging) as staging:
                 staging[:len(record)] = record
-                _pwrite_all(self.direct_fd, staging[:len(record)], self.record_offset(i))
+                pwrite_all(self.direct_fd, staging[:len(record)], self.record_offset(i))
             return True
         except OSError as e:
             if e.errno != errno.EINVAL:
@@ -183,10 +179,10 @@ class VaultWriter:
         for offset, blob in ((h.arch_offset, arch), (h.lineage_offset, lineage), (h.index_offset, index)):
             start = offset - h.arch_offset
             meta[start:start + len(blob)] = blob
-        _pwrite_all(self.fd, meta, h.arch_offset)
+        pwrite_all(self.fd, meta, h.arch_offset)
         final = replace(h, meta_crc32=crc32(meta))
         os.fsync(self.fd)  # records and metadata are durable before the header makes them valid
-        _pwrite_all(self.fd, final.pack(), 0)
+        pwrite_all(self.fd, final.pack(), 0)
         os.fsync(self.fd)
         self._close_direct()
         os.close(self.fd)

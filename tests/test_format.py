@@ -107,13 +107,13 @@ def test_record_write_order_does_not_change_the_bytes(tmp_path):
 
 def test_records_written_direct_buffered_or_after_a_refused_direct_write_give_the_same_bytes(tmp_path, monkeypatch):
     opened, direct_writes = [], []
-    real_open, real_pwrite = write_vault._open_direct, write_vault._pwrite_all
+    real_open, real_pwrite = write_vault._open_direct, write_vault.pwrite_all
     monkeypatch.setattr(write_vault, "_open_direct", lambda path, fd: opened.append(real_open(path, fd)) or opened[-1])
 
     def counted(fd, data, offset):
         direct_writes.append(fd == opened[-1])
         real_pwrite(fd, data, offset)
-    monkeypatch.setattr(write_vault, "_pwrite_all", counted)
+    monkeypatch.setattr(write_vault, "pwrite_all", counted)
     direct = build_two_expert_vault(tmp_path / "direct").read_bytes()
     if opened[-1] is None:
         pytest.skip("this filesystem takes no Direct I/O")
@@ -123,7 +123,7 @@ def test_records_written_direct_buffered_or_after_a_refused_direct_write_give_th
         if fd == opened[-1]:
             raise OSError(errno.EINVAL, "Invalid argument")
         real_pwrite(fd, data, offset)
-    monkeypatch.setattr(write_vault, "_pwrite_all", refused)
+    monkeypatch.setattr(write_vault, "pwrite_all", refused)
     after_refusal = build_two_expert_vault(tmp_path / "refused").read_bytes()
     monkeypatch.setattr(write_vault, "_open_direct", lambda path, fd: None)
     buffered = build_two_expert_vault(tmp_path / "buffered").read_bytes()
