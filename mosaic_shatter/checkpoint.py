@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from .git_lfs import is_lfs_pointer
+
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
                "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
@@ -68,19 +70,12 @@ def read_json_object(path: Path) -> dict:
     return parse_json_object(path.read_bytes(), str(path))
 
 
-_LFS_POINTER = b"version https://git-lfs.github.com/spec/"  # a git-lfs pointer file's first line
-_LFS_POINTER_MAX = 1024  # the spec's bound on a pointer's size
-
-
 def check_not_lfs_pointer(path: Path) -> None:
-    """A git clone made without git-lfs (or with GIT_LFS_SKIP_SMUDGE) leaves a small pointer text in place of
-    every file stored in LFS: say so, rather than fail to parse it."""
-    if path.stat().st_size > _LFS_POINTER_MAX:
-        return
-    with open(path, "rb") as f:
-        if f.read(len(_LFS_POINTER)) == _LFS_POINTER:
-            raise CheckpointError(f"{path}: a git-lfs pointer, not the file itself (the clone did not fetch its LFS "
-                                  f"objects): run `git lfs pull` in {path.parent}")
+    """A git-lfs pointer in place of a file (a clone that did not fetch its LFS objects): say so, rather than
+    fail to parse it."""
+    if is_lfs_pointer(path):
+        raise CheckpointError(f"{path}: a git-lfs pointer, not the file itself (the clone did not fetch its LFS "
+                              f"objects): run `git lfs pull` in {path.parent}")
 
 
 def _is_count(v) -> bool:

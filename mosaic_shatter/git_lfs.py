@@ -11,6 +11,7 @@ pointer text that only the SHA-256 and the size determine, so each object git-lf
 `.git/lfs/objects/` is a candidate whose pointer id is computed and compared with the index entry's.
 Anything unusual (a sha256-object-format repository, a pointer with extensions, a pruned LFS store, a file
 touched since the checkout or within the index's own timestamp) gives None, and the file is hashed.
+A clone that did not fetch its LFS objects has pointer files where the files belong: `is_lfs_pointer`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-_HEX64 = re.compile(r"[0-9a-f]{64}")
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")  # a SHA-256 as git-lfs and the Hub name objects
+POINTER_VERSION = b"version https://git-lfs.github.com/spec/v1\n"  # a pointer file's first line
+_POINTER_MAX = 1024  # the spec's bound on a pointer file's size
 _ENTRY = struct.Struct(">10I20sH")  # ctime s, ns, mtime s, ns, dev, ino, mode, uid, gid, size; SHA-1; flags
 _FLAG_EXTENDED = 0x4000  # in an entry's flags: two more bytes of flags follow (versions 3 and 4)
 _FLAG_STAGE = 0x3000  # a merge conflict's side when not 0
@@ -181,10 +184,19 @@ def _unchanged(entry: GitIndexEntry, file_stat: os.stat_result) -> bool:
 
 def _lfs_objects(store: Path) -> list[str]:
     """The SHA-256 of every object in git-lfs's local store (`objects/ab/cd/abcd...`)."""
-    return [p.name for p in store.glob("??/??/*") if _HEX64.fullmatch(p.name)]
+    return [p.name for p in store.glob("??/??/*") if SHA256_HEX.fullmatch(p.name)]
 
 
 def _pointer_blob_id(oid: str, size: int) -> bytes:
     """The git blob id of the git-lfs pointer for an object (spec v1, no extensions)."""
-    pointer = f"version https://git-lfs.github.com/spec/v1\noid sha256:{oid}\nsize {size}\n".encode()
+    pointer = POINTER_VERSION + f"oid sha256:{oid}\nsize {size}\n".encode()
     return hashlib.sha1(b"blob %d\0" % len(pointer) + pointer).digest()
+
+
+def is_lfs_pointer(path: Path) -> bool:
+    """Whether the file is a git-lfs pointer: what a clone made without git-lfs's download (or with
+    GIT_LFS_SKIP_SMUDGE) leaves in place of each file stored in LFS."""
+    if path.stat().st_size > _POINTER_MAX:
+        return False
+    with open(path, "rb") as f:
+        return f.read(len(POINTER_VERSION)) == POINTER_VERSION

@@ -15,14 +15,12 @@ Anything else is hashed.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 from mosaic_runtime.vault.format import file_sha256
 
-from .git_lfs import lfs_sha256
+from .git_lfs import SHA256_HEX, lfs_sha256
 
-_HEX64 = re.compile(r"[0-9a-f]{64}")
 _LOCAL_DIR_METADATA = Path(".cache") / "huggingface" / "download"
 
 
@@ -35,7 +33,7 @@ def recorded_sha256(path: Path) -> str | None:
     """The SHA-256 a download (the Hub's cache, an `hf download --local-dir`, a git-lfs clone) recorded for the
     file, or None."""
     blob = Path(os.path.realpath(path)).name
-    if _HEX64.fullmatch(blob):
+    if SHA256_HEX.fullmatch(blob):
         return blob
     path = Path(os.path.abspath(path))
     for local_dir in path.parents:
@@ -53,4 +51,4 @@ def _local_dir_etag(path: Path, metadata: Path) -> str | None:
         fresh = path.stat().st_mtime - 1 <= float(written)
     except (OSError, ValueError, UnicodeDecodeError):
         return None
-    return etag if fresh and _HEX64.fullmatch(etag) else None
+    return etag if fresh and SHA256_HEX.fullmatch(etag) else None
