@@ -1,6 +1,7 @@
 """The native decode-attention kernel against the torch reference (torch_attention) on odd shapes, both
-cache dtypes, the paged cache's strided views, and any thread count; a prompt chunk's split attention
-(prefill_attention) against the same reference; and the bf16 KV cache end to end."""
+cache dtypes, the paged cache's strided views, and any thread count; a prompt chunk's attention, native
+(native_prefill_attention) and torch's split one (prefill_attention), against the same reference; and the
+bf16 KV cache end to end."""
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ from builders import random_qwen3_moe
 from mosaic_runtime import _native
 from mosaic_runtime.engine import Engine
 from mosaic_runtime.kv_cache import Int8Rows, KVCache, quantize_rows
-from mosaic_runtime.models.base import cached_attention, prefill_attention, torch_attention
+from mosaic_runtime.models.base import cached_attention, native_prefill_attention, prefill_attention, torch_attention
 from mosaic_shatter.convert import convert
 
 K = _native.kernels
@@ -116,13 +117,72 @@ def test_prefill_attention_matches_torch(hq, hkv, d, t, start):
     k, v = (torch.randn(hkv, start + t + 9, d, generator=g) for _ in range(2))  # the cache runs past the chunk
     ref = torch_attention(q, k, v, start, d ** -0.5)
     torch.testing.assert_close(prefill_attention(q, k, v, start, d ** -0.5), ref, atol=2e-6, rtol=1e-5)
-    assert torch.equal(cached_attention(q, k, v, start, d ** -0.5), prefill_attention(q, k, v, start, d ** -0.5))
+    native = native_prefill_attention(q, k, v, start, d ** -0.5)  # where the CPU and head size let it serve
+    assert torch.equal(cached_attention(q, k, v, start, d ** -0.5),
+                       native if native is not None else prefill_attention(q, k, v, start, d ** -0.5))
     kb, vb = k.bfloat16(), v.bfloat16()
     ref_bf16 = torch_attention(q, kb, vb, start, d ** -0.5)
     out = prefill_attention(q, kb, vb, start, d ** -0.5)
     assert out.dtype == torch.float32 and out.shape == (t, hq * d)
     torch.testing.assert_close(out, ref_bf16, atol=2e-2, rtol=0)
     assert (out - ref_bf16).norm() < 1e-2 * ref_bf16.norm()
+
+
+# (query heads, KV heads, head_dim, chunk tokens, positions before the chunk): blocks of positions cut short
+# at the chunk's end, keys before it across the 512-key chunk, 1 to 65 query heads a KV head (a task takes 64
+# rows: 130 on 2 go in two groups of 65, one position a block), head sizes that take the AVX2 task under AVX-512.
+NATIVE_PREFILL_SHAPES = [*PREFILL_SHAPES, (32, 4, 128, 21, 530), (130, 2, 32, 3, 9), (2, 2, 64, 70, 0),
+                         (16, 2, 256, 9, 40)]
+
+
+@pytest.mark.parametrize("hq, hkv, d, t, start", NATIVE_PREFILL_SHAPES)
+def test_native_prefill_attention_matches_torch(hq, hkv, d, t, start):
+    """The native prompt attention (the decode tasks a block of positions at a time) under every ISA, over
+    float32, bf16 and int8 caches, against torch_attention on the same keys and values; bit-equal whatever the
+    thread count; and what cached_attention runs for a prompt chunk on this CPU."""
+    g = torch.Generator().manual_seed(hq * 1000 + t + start + 7)
+    q = torch.randn(t, hq, d, generator=g)
+    k, v = ((torch.randn(hkv, start + t + 9, d, generator=g) * s) for s in (2, 1))
+    k8, v8 = Int8Rows(*quantize_rows(k)), Int8Rows(*quantize_rows(v))
+    caches = {"float32": (k, v, (k.numpy(), v.numpy()), K.prefill_attention),
+              "bf16": (k.bfloat16().float(), v.bfloat16().float(),
+                       (k.bfloat16().view(torch.uint16).numpy(), v.bfloat16().view(torch.uint16).numpy()),
+                       K.prefill_attention_bf16),
+              "int8": (k8.dequantize(), v8.dequantize(),
+                       (k8.codes.numpy(), v8.codes.numpy(), k8.scales.numpy(), v8.scales.numpy()),
+                       K.prefill_attention_i8)}
+    for name, (kf, vf, args, fn) in caches.items():
+        ref = torch_attention(q, kf, vf, start, d ** -0.5)
+        for isa in isas():
+            outs = []
+            for threads in (1, 2, 3):
+                out = np.empty((t, hq * d), np.float32)
+                fn(isa, threads, q.numpy(), *args, start, d ** -0.5, out)
+                outs.append(out)
+            # twice decode's tolerance: each block's result is rescaled as every task's is merged into it (and an
+            # int8 row's scale multiplies its dot product, not each value as in the dequantized reference)
+            torch.testing.assert_close(torch.from_numpy(outs[0]), ref, atol=2 * float_atol(d), rtol=1e-5,
+                                       msg=lambda m: f"{name} cache, {K.isa_name(isa)}: {m}")
+            assert all(np.array_equal(outs[0], o) for o in outs), (name, K.isa_name(isa))
+    for kc, vc, kf, vf in ((k, v, k, v), (k8, v8, k8.dequantize(), v8.dequantize())):
+        torch.testing.assert_close(cached_attention(q, kc, vc, start, d ** -0.5),
+                                   torch_attention(q, kf, vf, start, d ** -0.5), atol=2 * float_atol(d), rtol=1e-5)
+
+
+def test_native_prefill_attention_refuses_what_it_cannot_read():
+    q = np.zeros((4, 8, 64), np.float32)
+    k = np.zeros((2, 10, 64), np.float32)
+    out = np.empty((4, 8 * 64), np.float32)
+    isa = K.best_isa()
+    K.prefill_attention(isa, 1, q, k, k, 6, 0.1, out)  # keys up to position 9: the cache holds them
+    with pytest.raises(ValueError, match="prefill_attention: shapes"):
+        K.prefill_attention(isa, 1, q, k, k, 7, 0.1, out)  # position 10 is past the cache
+    with pytest.raises(ValueError, match="prefill_attention: shapes"):
+        K.prefill_attention(isa, 1, np.zeros((4, 6, 64), np.float32), k[:1].repeat(4, 0), k[:1].repeat(4, 0), 0, 0.1,
+                            np.empty((4, 6 * 64), np.float32))  # 6 query heads on 4 KV heads
+    wide = np.zeros((2, 10, 128), np.float32)[:, :, :64]  # rows 128 floats apart
+    with pytest.raises(ValueError, match="rows must be contiguous"):
+        K.prefill_attention(isa, 1, q, wide, wide, 0, 0.1, out)
 
 
 def test_int8_rows_round_trip():

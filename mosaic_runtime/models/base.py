@@ -12,11 +12,23 @@ from .. import _native
 from ..kv_cache import Int8Rows
 from ..ops import linear, threads
 
-_ISA = _native.kernels.best_isa()
+_K = _native.kernels
+_ISA = _K.best_isa()
 # An int8 KV cache is opt-in and lossy already: it takes the integer kernel where there is one (AVX-512
 # VNNI), which rounds queries and probabilities to 16 bits (about 1e-4 of the output, against the codes' 1/254).
-_I8_ISA = _native.kernels.AVX512_VNNI if _native.kernels.isa_available(_native.kernels.AVX512_VNNI) else _ISA
-_DECODE_KERNELS = {torch.float32: _native.kernels.decode_attention, torch.bfloat16: _native.kernels.decode_attention_bf16}
+_I8_ISA = _K.AVX512_VNNI if _K.isa_available(_K.AVX512_VNNI) else _ISA
+_DECODE_KERNELS = {torch.float32: _K.decode_attention, torch.bfloat16: _K.decode_attention_bf16}
+# A prompt chunk's attention runs through the decode tasks where they beat torch's fused kernel (benchmarks/
+# RESULTS.md, "A prompt's attention through the decode tasks"): the AVX-512 task 1.2-3.7x over every chunk; the
+# AVX2 one 1.3-1.7x over a chunk with nothing before it, but it reads a long prefix slower than torch. On AMX CPUs
+# torch attends a bf16 cache in tiles. An int8 cache's rows are widened as they are read, not dequantized first.
+_WIDE = _K.isa_available(_K.AVX512)
+_FIRST_CHUNK_ONLY = not _WIDE and _K.isa_available(_K.AVX2)
+_PREFILL_KERNELS = {  # cache dtype -> (kernel, the head_dim multiple its task takes)
+    torch.float32: (_K.prefill_attention, 16 if _WIDE else 8),
+    torch.int8: (_K.prefill_attention_i8, 32 if _WIDE else 8),
+    **({} if _K.isa_available(_K.AMX) else {torch.bfloat16: (_K.prefill_attention_bf16, 32 if _WIDE else 8)}),
+} if _WIDE or _FIRST_CHUNK_ONLY else {}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -27,7 +39,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.device.type == "cpu" and not x.requires_grad:
             rows = x.reshape(-1, x.shape[-1]).contiguous()
             y = np.empty(rows.shape, np.float32)
-            _native.kernels.rms_norm_rows(threads(), rows.numpy(), weight.contiguous().numpy(), eps, y)
+            _K.rms_norm_rows(threads(), rows.numpy(), weight.contiguous().numpy(), eps, y)
             return torch.from_numpy(y).view(x.shape)
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     x32 = x.float()
@@ -47,8 +59,8 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor | Int8Rows, v_cache:
     bf16, or an int8 cache's codes and row scales), each query seeing the last `window` positions only when
     a window is given: a decode step (T == 1) on the CPU runs the native kernel (native/src/attention.cpp,
     each key and value read once for the query heads that share it); a prompt chunk on the CPU without a
-    window or sinks runs prefill_attention; everything else, and the reference, is torch_attention (an int8
-    cache dequantized first). sinks [Hq]: torch_attention's."""
+    window or sinks runs native_prefill_attention where it serves, else prefill_attention; everything else,
+    and the reference, is torch_attention (an int8 cache dequantized first). sinks [Hq]: torch_attention's."""
     end = start + q.shape[0]
     sink_arg = None if sinks is None else sinks.float().contiguous().numpy()
     if q.shape[0] == 1 and window is not None and end > window:  # a decode step sees the window's keys only
@@ -56,12 +68,16 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor | Int8Rows, v_cache:
         k_cache, v_cache = ((Int8Rows(*(t[:, lo:end] for t in c)) if isinstance(c, Int8Rows) else c[:, lo:end])
                             for c in (k_cache, v_cache))
         start, end, window = window - 1, window, None
+    if q.shape[0] > 1 and window is None and sinks is None and q.device.type == "cpu":
+        out = native_prefill_attention(q, k_cache, v_cache, start, scale)
+        if out is not None:
+            return out
     if isinstance(k_cache, Int8Rows):  # an int8 cache: codes and a scale per row
         k, v = Int8Rows(*(t[:, :end] for t in k_cache)), Int8Rows(*(t[:, :end] for t in v_cache))
         if q.shape[0] == 1 and q.device.type == "cpu" and _rows_contiguous(k.codes, v.codes):
             hq, d = q.shape[1], q.shape[2]
             out = np.empty((hq, d), np.float32)
-            _native.kernels.decode_attention_i8(_I8_ISA, threads(), q.reshape(hq, d).contiguous().numpy(),
+            _K.decode_attention_i8(_I8_ISA, threads(), q.reshape(hq, d).contiguous().numpy(),
                                                 k.codes.numpy(), v.codes.numpy(), k.scales.numpy(),
                                                 v.scales.numpy(), scale, out, sink_arg)
             return torch.from_numpy(out).view(1, hq * d)
@@ -79,6 +95,25 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor | Int8Rows, v_cache:
     if q.shape[0] > 1 and window is None and sinks is None and q.device.type == "cpu" and _FLASH is not None:
         return prefill_attention(q, k_cache, v_cache, start, scale)
     return torch_attention(q, k_cache, v_cache, start, scale, window, sinks)
+
+
+def native_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor | Int8Rows, v_cache: torch.Tensor | Int8Rows,
+                             start: int, scale: float) -> torch.Tensor | None:
+    """A prompt chunk's causal attention (T > 1, no window, no sinks) through the decode tasks of
+    native/src/attention.cpp (attend_prompt), or None where they do not serve this CPU, cache or head size."""
+    t, hq, d = q.shape
+    int8 = isinstance(k_cache, Int8Rows)
+    kernel, multiple = _PREFILL_KERNELS.get(torch.int8 if int8 else k_cache.dtype, (None, 0))
+    k, v = (k_cache.codes, v_cache.codes) if int8 else (k_cache, v_cache)
+    if kernel is None or q.dtype != torch.float32 or d % multiple or (_FIRST_CHUNK_ONLY and start > 0) or \
+            not _rows_contiguous(k, v):
+        return None
+    if k.dtype == torch.bfloat16:  # handed over as their bit patterns
+        k, v = k.view(torch.uint16), v.view(torch.uint16)
+    out = np.empty((t, hq * d), np.float32)
+    scales = (k_cache.scales.numpy(), v_cache.scales.numpy()) if int8 else ()
+    kernel(_ISA, threads(), q.contiguous().numpy(), k.numpy(), v.numpy(), *scales, start, scale, out)
+    return torch.from_numpy(out)
 
 
 # torch's fused CPU attention, which also returns each row's log-sum-exp (what lets two key ranges combine)

@@ -247,6 +247,47 @@ void init_kernels(nb::module_& m) {
                         static_cast<int>(k.shape(1)), scale, out.data(), threads, Isa(isa), s);
   }, nb::arg("isa"), nb::arg("threads"), nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("k_scale"),
      nb::arg("v_scale"), nb::arg("scale"), nb::arg("out"), nb::arg("sinks") = nb::none());
+  // q [t, heads, head_dim] at positions start..start+t-1, k and v [kv_heads, >= start+t, head_dim] as for
+  // decode_attention (int8: with k_scale and v_scale [kv_heads, >= start+t]), out [t, heads * head_dim].
+  using Queries = nb::ndarray<const float, nb::ndim<3>, nb::c_contig, nb::device::cpu>;
+  auto check_prompt = [](int isa, const Queries& q, const auto& k, const auto& v, int start, const OutMatrix& out) {
+    const size_t t = q.shape(0), heads = q.shape(1), d = q.shape(2);
+    check(start >= 0 && t > 0 && k.shape(2) == d && v.shape(2) == d && k.shape(0) == v.shape(0) && k.shape(0) > 0 &&
+              heads % k.shape(0) == 0 && k.shape(1) == v.shape(1) && k.shape(1) >= start + t &&
+              out.shape(0) == t && out.shape(1) == heads * d, "prefill_attention: shapes");
+    check(k.stride(2) == 1 && k.stride(1) == static_cast<int64_t>(d) && v.stride(2) == 1 &&
+              v.stride(1) == static_cast<int64_t>(d), "prefill_attention: K and V rows must be contiguous");
+    check(isa_available(Isa(isa)), "prefill_attention: this CPU lacks that ISA");
+  };
+  auto prompt = [check_prompt](auto fn, int isa, int threads, Queries q, auto k, auto v, int start, float scale,
+                               OutMatrix out) {
+    check_prompt(isa, q, k, v, start, out);
+    nb::gil_scoped_release release;
+    fn(q.data(), static_cast<int>(q.shape(0)), static_cast<int>(q.shape(1)), static_cast<int>(q.shape(2)), k.data(),
+       v.data(), k.stride(0), v.stride(0), static_cast<int>(k.shape(0)), start, scale, out.data(), threads, Isa(isa));
+  };
+  k.def("prefill_attention", [prompt](int isa, int threads, Queries q, F32Cache k, F32Cache v, int start, float scale,
+                                      OutMatrix out) {
+    prompt(prefill_attention, isa, threads, q, k, v, start, scale, out);
+  });
+  k.def("prefill_attention_bf16", [prompt](int isa, int threads, Queries q, Bf16Cache k, Bf16Cache v, int start,
+                                           float scale, OutMatrix out) {
+    prompt(prefill_attention_bf16, isa, threads, q, k, v, start, scale, out);
+  });
+  k.def("prefill_attention_i8", [check_prompt](int isa, int threads, Queries q, I8Cache k, I8Cache v,
+                                               RowScales k_scale, RowScales v_scale, int start, float scale,
+                                               OutMatrix out) {
+    check_prompt(isa, q, k, v, start, out);
+    check(k_scale.shape(0) == k.shape(0) && k_scale.shape(1) >= k.shape(1) && v_scale.shape(0) == k.shape(0) &&
+              v_scale.shape(1) >= k.shape(1) && k_scale.stride(1) == 1 && v_scale.stride(1) == 1 &&
+              k_scale.stride(0) == v_scale.stride(0),
+          "prefill_attention: scales must be [kv_heads, length], contiguous along the length, one head stride");
+    nb::gil_scoped_release release;
+    prefill_attention_i8(q.data(), static_cast<int>(q.shape(0)), static_cast<int>(q.shape(1)),
+                         static_cast<int>(q.shape(2)), k.data(), v.data(), k.stride(0), v.stride(0), k_scale.data(),
+                         v_scale.data(), k_scale.stride(0), static_cast<int>(k.shape(0)), start, scale, out.data(),
+                         threads, Isa(isa));
+  });
   k.def("linear_q4", [](int isa, int threads, nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> codes,
                         nb::ndarray<const uint16_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> scales, Matrix x,
                         OutMatrix y) {

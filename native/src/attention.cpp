@@ -1,4 +1,5 @@
-// Decode attention: one new token's query heads against every cached key and value, read once.
+// Decode attention: one new token's query heads against every cached key and value, read once; and a
+// prompt chunk's causal attention through the same tasks (attend_prompt).
 //
 // The query heads that share a KV head are served together, so each key and value row is read from
 // memory once for all of them (GQA). Keys are cut into fixed chunks of kChunk; each (KV head, chunk) is a
@@ -162,7 +163,115 @@ void attend(const float* q, int heads, int head_dim, const T* k, const T* v, int
   }
 }
 
+// A prompt chunk's causal attention, T queries at positions start..start+T-1 over keys [0, start+T), through
+// the decode tasks. A task takes the query heads of one KV head for a block of consecutive positions (up to
+// kMaxRep rows), so each key tile it loads serves every row: first over the keys all of the block's positions
+// see ([0, start + p0), in chunks of kChunk), then each position alone over the block's own keys up to itself.
+// A work item is one (block, KV head, group of query heads); its partial results are merged in that fixed
+// order, so the output does not depend on the thread count. The tasks widen bf16 and int8 rows as they read
+// them (no integer task here: a prompt's queries go in float).
+template <typename T>
+void attend_prompt(const float* q, int t_count, int heads, int d, const T* k, const T* v, int64_t k_head_stride,
+                   int64_t v_head_stride, const float* k_scale, const float* v_scale, int64_t scale_head_stride,
+                   int kv_heads, int start, float scale, float* out, int threads, Isa isa) {
+  const int rep = heads / kv_heads;
+  const int sub = (rep + kMaxRep - 1) / kMaxRep, per = (rep + sub - 1) / sub;  // query heads an item takes
+  const int span = std::max(1, kMaxRep / per);                                  // positions a block takes
+  const int blocks = (t_count + span - 1) / span, items = blocks * kv_heads * sub;
+  constexpr bool bf16 = std::is_same<T, uint16_t>::value, int8 = std::is_same<T, int8_t>::value;
+  const bool wide = vector_isa(isa) == Isa::Avx512 && d % (int8 || bf16 ? 32 : 16) == 0;
+  [[maybe_unused]] const bool avx2 = !wide && vector_isa(isa) != Isa::Scalar && d % 8 == 0;
+  [[maybe_unused]] const bool neon = vector_isa(isa) == Isa::Neon && d % 8 == 0;
+  const bool split = bf16 && wide;  // element order of the AVX-512 bf16 task's query and output rows
+  auto at = [split](int i) { return split ? (i & ~31) + (i & 1) * 16 + (i & 31) / 2 : i; };
+  auto task = [&](const float* qg, int n, const T* kg, const T* vg, RowScales rs, int k0, int k1, float* o,
+                  Partial* part) {
+#if defined(MOSAIC_X86)
+    if (wide) return task_avx512(qg, n, d, kg, vg, rs, k0, k1, o, part);
+    if (avx2) return task_avx2(qg, n, d, kg, vg, rs, k0, k1, o, part);
+#elif defined(MOSAIC_ARM)
+    if (neon) return task_neon(qg, n, d, kg, vg, rs, k0, k1, o, part);
+#endif
+    task_scalar(qg, n, d, kg, vg, rs, k0, k1, o, part);
+  };
+#pragma omp parallel num_threads(std::max(1, std::min(threads, items)))
+  {
+    std::vector<float> qb(static_cast<size_t>(kMaxRep) * d), acc(qb.size()), o(qb.size());
+    std::vector<Partial> part(kMaxRep), total(kMaxRep);
+    // Adds a task's rows [r0, r0 + n) to the running result, each rescaled to the larger reference.
+    auto merge = [&](int r0, int n) {
+      for (int r = r0; r < r0 + n; ++r) {
+        const Partial p = part[r - r0], t = total[r];
+        const float m = std::max(t.ref, p.ref);
+        const float a = t.sum > 0.f ? std::exp(t.ref - m) : 0.f, b = std::exp(p.ref - m);
+        float* accr = acc.data() + static_cast<int64_t>(r) * d;
+        const float* orow = o.data() + static_cast<int64_t>(r - r0) * d;
+        for (int i = 0; i < d; ++i) accr[i] = accr[i] * a + orow[i] * b;
+        total[r] = {m, t.sum * a + p.sum * b};
+      }
+    };
+#pragma omp for schedule(dynamic, 1)
+    for (int item = 0; item < items; ++item) {
+      // the last blocks, which see the most keys, first
+      const int b = blocks - 1 - item / (kv_heads * sub), g = item / sub % kv_heads, h0 = item % sub * per;
+      const int n = std::min(per, rep - h0), p0 = b * span, np = std::min(span, t_count - p0), rows = np * n;
+      for (int pi = 0; pi < np; ++pi)
+        for (int r = 0; r < n; ++r) {
+          const float* src = q + (static_cast<int64_t>(p0 + pi) * heads + g * rep + h0 + r) * d;
+          float* dst = qb.data() + static_cast<int64_t>(pi * n + r) * d;
+          for (int i = 0; i < d; ++i) dst[at(i)] = src[i] * scale;
+        }
+      std::fill(acc.begin(), acc.begin() + static_cast<int64_t>(rows) * d, 0.f);
+      std::fill(total.begin(), total.begin() + rows, Partial{-std::numeric_limits<float>::infinity(), 0.f});
+      const T* kg = k + g * k_head_stride;
+      const T* vg = v + g * v_head_stride;
+      const RowScales rs{k_scale ? k_scale + g * scale_head_stride : nullptr,
+                         v_scale ? v_scale + g * scale_head_stride : nullptr};
+      const int shared = start + p0;  // keys every position of the block sees
+      for (int k0 = 0; k0 < shared; k0 += kChunk) {
+        task(qb.data(), rows, kg, vg, rs, k0, std::min(shared, k0 + kChunk), o.data(), part.data());
+        merge(0, rows);
+      }
+      for (int pi = 0; pi < np; ++pi) {  // the block's own keys, up to each position
+        task(qb.data() + static_cast<int64_t>(pi) * n * d, n, kg, vg, rs, shared, shared + pi + 1, o.data(),
+             part.data());
+        merge(pi * n, n);
+      }
+      for (int pi = 0; pi < np; ++pi)
+        for (int r = 0; r < n; ++r) {
+          const int row = pi * n + r;
+          const float inv = 1.f / total[row].sum;
+          const float* src = acc.data() + static_cast<int64_t>(row) * d;
+          float* dst = out + (static_cast<int64_t>(p0 + pi) * heads + g * rep + h0 + r) * d;
+          for (int i = 0; i < d; ++i) dst[i] = src[at(i)] * inv;
+        }
+    }
+  }
+}
+
 }  // namespace
+
+void prefill_attention(const float* q, int t_count, int heads, int head_dim, const float* k, const float* v,
+                       int64_t k_head_stride, int64_t v_head_stride, int kv_heads, int start, float scale, float* out,
+                       int threads, Isa isa) {
+  attend_prompt(q, t_count, heads, head_dim, k, v, k_head_stride, v_head_stride, nullptr, nullptr, 0, kv_heads, start,
+                scale, out, threads, isa);
+}
+
+void prefill_attention_bf16(const float* q, int t_count, int heads, int head_dim, const uint16_t* k,
+                            const uint16_t* v, int64_t k_head_stride, int64_t v_head_stride, int kv_heads, int start,
+                            float scale, float* out, int threads, Isa isa) {
+  attend_prompt(q, t_count, heads, head_dim, k, v, k_head_stride, v_head_stride, nullptr, nullptr, 0, kv_heads, start,
+                scale, out, threads, isa);
+}
+
+void prefill_attention_i8(const float* q, int t_count, int heads, int head_dim, const int8_t* k, const int8_t* v,
+                          int64_t k_head_stride, int64_t v_head_stride, const float* k_scale, const float* v_scale,
+                          int64_t scale_head_stride, int kv_heads, int start, float scale, float* out, int threads,
+                          Isa isa) {
+  attend_prompt(q, t_count, heads, head_dim, k, v, k_head_stride, v_head_stride, k_scale, v_scale, scale_head_stride,
+                kv_heads, start, scale, out, threads, isa);
+}
 
 void decode_attention(const float* q, int heads, int head_dim, const float* k, const float* v, int64_t k_head_stride,
                       int64_t v_head_stride, int kv_heads, int length, float scale, float* out, int threads, Isa isa,

@@ -374,6 +374,64 @@ void check_attention() {
     }
 }
 
+// A prompt chunk's attention (prefill_attention, every cache type) against the scalar decode kernel run for
+// each position alone over the keys up to it.
+void check_prefill_attention() {
+  struct Case {
+    int tokens, start, heads, kv_heads, dim;
+  };
+  const Case cases[] = {{1, 0, 2, 1, 8}, {9, 0, 8, 2, 64}, {19, 530, 6, 3, 128}, {11, 3, 4, 1, 80},
+                        {3, 40, 130, 2, 32}, {70, 7, 32, 4, 64}};  // 65 query heads a KV head; 8 blocks of 8
+  for (Isa isa : isas_under_test())
+    for (const Case& c : cases) {
+      const int length = c.start + c.tokens, rows = length + 5;  // the cache runs past the chunk
+      const int64_t stride = static_cast<int64_t>(rows) * c.dim;
+      const size_t out_n = static_cast<size_t>(c.tokens) * c.heads * c.dim;
+      const std::vector<float> q = floats(out_n);
+      std::vector<float> k = floats(static_cast<size_t>(c.kv_heads) * stride), v = floats(k.size());
+      for (float& x : k) x *= 3.f;
+      std::vector<uint16_t> kb(k.size()), vb(v.size());
+      std::vector<int8_t> k8(k.size()), v8(v.size());
+      std::vector<float> ks(static_cast<size_t>(c.kv_heads) * rows), vs(ks.size());
+      for (size_t i = 0; i < k.size(); ++i) {
+        kb[i] = bf16_of(k[i]), vb[i] = bf16_of(v[i]);
+        k8[i] = static_cast<int8_t>(rng() % 255 - 127), v8[i] = static_cast<int8_t>(rng() % 255 - 127);
+      }
+      for (size_t i = 0; i < ks.size(); ++i) ks[i] = uniform(0.001f, 0.03f), vs[i] = uniform(0.001f, 0.01f);
+      const float scale = 1.f / std::sqrt(static_cast<float>(c.dim));
+      const size_t row_n = static_cast<size_t>(c.heads) * c.dim;
+      std::vector<float> want(out_n), got(out_n);
+      const std::vector<float> bound(out_n, 2e-5f);
+      const std::string shape = " tokens " + std::to_string(c.tokens) + " from " + std::to_string(c.start) +
+                                " heads " + std::to_string(c.heads) + "/" + std::to_string(c.kv_heads) + " dim " +
+                                std::to_string(c.dim);
+      auto per_position = [&](auto decode) {
+        for (int t = 0; t < c.tokens; ++t) decode(q.data() + t * row_n, c.start + t + 1, want.data() + t * row_n);
+      };
+      per_position([&](const float* qt, int n, float* o) {
+        decode_attention(qt, c.heads, c.dim, k.data(), v.data(), stride, stride, c.kv_heads, n, scale, o, 1,
+                         Isa::Scalar);
+      });
+      prefill_attention(q.data(), c.tokens, c.heads, c.dim, k.data(), v.data(), stride, stride, c.kv_heads, c.start,
+                        scale, got.data(), 2, isa);
+      compare(got, want, bound, std::string("prefill attention f32 ") + isa_name(isa) + shape);
+      per_position([&](const float* qt, int n, float* o) {
+        decode_attention_bf16(qt, c.heads, c.dim, kb.data(), vb.data(), stride, stride, c.kv_heads, n, scale, o, 1,
+                              Isa::Scalar);
+      });
+      prefill_attention_bf16(q.data(), c.tokens, c.heads, c.dim, kb.data(), vb.data(), stride, stride, c.kv_heads,
+                             c.start, scale, got.data(), 2, isa);
+      compare(got, want, bound, std::string("prefill attention bf16 ") + isa_name(isa) + shape);
+      per_position([&](const float* qt, int n, float* o) {
+        decode_attention_i8(qt, c.heads, c.dim, k8.data(), v8.data(), stride, stride, ks.data(), vs.data(), rows,
+                            c.kv_heads, n, scale, o, 1, Isa::Scalar);
+      });
+      prefill_attention_i8(q.data(), c.tokens, c.heads, c.dim, k8.data(), v8.data(), stride, stride, ks.data(),
+                           vs.data(), rows, c.kv_heads, c.start, scale, got.data(), 2, isa);
+      compare(got, want, bound, std::string("prefill attention int8 ") + isa_name(isa) + shape);
+    }
+}
+
 // --- the gated delta rule over a prompt -----------------------------------------------------------------
 
 // Every ISA's gated_delta_rule (the scalar one too) against the recurrence in double, one token at a time.
@@ -477,6 +535,7 @@ int main() {
   check_moe();
   check_linear();
   check_attention();
+  check_prefill_attention();
   check_delta_rule();
   check_crc32();
   check_stream();

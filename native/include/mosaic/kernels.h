@@ -186,6 +186,21 @@ void decode_attention_i8(const float* q, int heads, int head_dim, const int8_t* 
                          int64_t scale_head_stride, int kv_heads, int length, float scale, float* out, int threads,
                          Isa isa, const float* sinks = nullptr);
 
+// A prompt chunk's causal attention: q [t_count, heads, head_dim] at positions start..start+t_count-1 against
+// K and V rows [0, start+t_count) of each KV head (laid out as for decode_attention), into out [t_count, heads,
+// head_dim]; the decode tasks of `isa` for a block of positions at a time. float32, bf16 and int8 caches (the
+// int8 rows widened to float, key or value = code * its row's scale).
+void prefill_attention(const float* q, int t_count, int heads, int head_dim, const float* k, const float* v,
+                       int64_t k_head_stride, int64_t v_head_stride, int kv_heads, int start, float scale, float* out,
+                       int threads, Isa isa);
+void prefill_attention_bf16(const float* q, int t_count, int heads, int head_dim, const uint16_t* k,
+                            const uint16_t* v, int64_t k_head_stride, int64_t v_head_stride, int kv_heads, int start,
+                            float scale, float* out, int threads, Isa isa);
+void prefill_attention_i8(const float* q, int t_count, int heads, int head_dim, const int8_t* k, const int8_t* v,
+                          int64_t k_head_stride, int64_t v_head_stride, const float* k_scale, const float* v_scale,
+                          int64_t scale_head_stride, int kv_heads, int start, float scale, float* out, int threads,
+                          Isa isa);
+
 // Y[n, rows] = X[n, cols] @ W.T for W in Q4_G32 (a vault plane's layout: codes [rows, ceil(cols/32)*16],
 // f16 scales [rows, ceil(cols/32)]), through the expert kernels' Q4 matvec of `isa` (int8 activations
 // under AVX-512 VNNI); rows in contiguous blocks over threads.
