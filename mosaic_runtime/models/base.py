@@ -77,9 +77,8 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor | Int8Rows, v_cache:
         if q.shape[0] == 1 and q.device.type == "cpu" and _rows_contiguous(k.codes, v.codes):
             hq, d = q.shape[1], q.shape[2]
             out = np.empty((hq, d), np.float32)
-            _K.decode_attention_i8(_I8_ISA, threads(), q.reshape(hq, d).contiguous().numpy(),
-                                                k.codes.numpy(), v.codes.numpy(), k.scales.numpy(),
-                                                v.scales.numpy(), scale, out, sink_arg)
+            _K.decode_attention_i8(_I8_ISA, threads(), q.reshape(hq, d).contiguous().numpy(), k.codes.numpy(),
+                                   v.codes.numpy(), k.scales.numpy(), v.scales.numpy(), scale, out, sink_arg)
             return torch.from_numpy(out).view(1, hq * d)
         return torch_attention(q, k.dequantize(), v.dequantize(), start, scale, window, sinks)
     if q.shape[0] == 1 and q.device.type == "cpu" and k_cache.dtype in _DECODE_KERNELS:

@@ -56,6 +56,35 @@ void task_scalar(const float* q, int rep, int d, const T* k, const T* v, RowScal
   }
 }
 
+// Which task a driver hands a (query rows, key range) to under `isa`, and where that task keeps element i of
+// a query or output row: the AVX-512 task reads bf16 rows as evens then odds inside each block of 32
+// (load_pair), so its bf16 query and output rows go in that order; the others in place.
+template <typename T>
+struct TaskChoice {
+  static constexpr bool bf16 = std::is_same<T, uint16_t>::value, int8 = std::is_same<T, int8_t>::value;
+  int d;
+  bool wide, avx2, neon, split;
+  TaskChoice(Isa isa, int d)
+      : d(d),
+        // bf16 and int8 rows are loaded 32 values at a time (load_pair, attention_i8.cpp)
+        wide(vector_isa(isa) == Isa::Avx512 && d % (int8 || bf16 ? 32 : 16) == 0),
+        // the AVX2 task also serves AVX-512 CPUs for the head sizes the wide task does not take
+        avx2(!wide && vector_isa(isa) != Isa::Scalar && d % 8 == 0),
+        neon(vector_isa(isa) == Isa::Neon && d % 8 == 0),
+        split(bf16 && wide) {}
+  int at(int i) const { return split ? (i & ~31) + (i & 1) * 16 + (i & 31) / 2 : i; }
+  void run(const float* q, int n, const T* k, const T* v, RowScales rs, int k0, int k1, float* o,
+           Partial* part) const {
+#if defined(MOSAIC_X86)
+    if (wide) return task_avx512(q, n, d, k, v, rs, k0, k1, o, part);
+    if (avx2) return task_avx2(q, n, d, k, v, rs, k0, k1, o, part);
+#elif defined(MOSAIC_ARM)
+    if (neon) return task_neon(q, n, d, k, v, rs, k0, k1, o, part);
+#endif
+    task_scalar(q, n, d, k, v, rs, k0, k1, o, part);
+  }
+};
+
 template <typename T>
 void attend(const float* q, int heads, int head_dim, const T* k, const T* v, int64_t k_head_stride,
             int64_t v_head_stride, const float* k_scale, const float* v_scale, int64_t scale_head_stride,
@@ -66,18 +95,10 @@ void attend(const float* q, int heads, int head_dim, const T* k, const T* v, int
   // `sub` tasks of up to `per` heads each, every one reading the chunk's keys and values.
   const int sub = (rep + kMaxRep - 1) / kMaxRep, per = (rep + sub - 1) / sub;
   const int tasks = kv_heads * sub * chunks;
-  constexpr bool bf16 = std::is_same<T, uint16_t>::value, int8 = std::is_same<T, int8_t>::value;
-  // bf16 and int8 rows are loaded 32 values at a time (load_pair, attention_i8.cpp)
-  const bool wide = vector_isa(isa) == Isa::Avx512 && d % (int8 || bf16 ? 32 : 16) == 0;
-  // the AVX2 task also serves AVX-512 CPUs for the head sizes the wide task does not take
-  [[maybe_unused]] const bool avx2 = !wide && vector_isa(isa) != Isa::Scalar && d % 8 == 0;  // task_avx2
-  [[maybe_unused]] const bool neon = vector_isa(isa) == Isa::Neon && d % 8 == 0;              // task_neon
-  const bool integer = int8 && wide && has_avx512_vnni(isa) && d <= kMaxDim;  // task_i8_vnni
-  // Where the AVX-512 loops keep element i of a query or output row: bf16 rows go as evens then odds
-  // inside each block of 32 (load_pair); the integer int8 task's outputs in i8_order; otherwise in place.
-  const bool split = bf16 && wide;
-  auto at = [split](int i) { return split ? (i & ~31) + (i & 1) * 16 + (i & 31) / 2 : i; };
-  auto out_at = [&at, integer](int i) { return integer ? (i & ~31) + i8_order(i & 31) : at(i); };
+  const TaskChoice<T> choice(isa, d);
+  const bool integer = TaskChoice<T>::int8 && choice.wide && has_avx512_vnni(isa) && d <= kMaxDim;  // task_i8_vnni
+  // the integer int8 task keeps its outputs in i8_order
+  auto out_at = [&choice, integer](int i) { return integer ? (i & ~31) + i8_order(i & 31) : choice.at(i); };
   thread_local std::vector<float> o_buf, q_buf;
   thread_local std::vector<int16_t> q16_buf;
   thread_local std::vector<Partial> part_buf;
@@ -95,7 +116,7 @@ void attend(const float* q, int heads, int head_dim, const T* k, const T* v, int
   } else {  // the queries times scale: what every task dots with
     q_buf.resize(static_cast<size_t>(heads) * d);
     for (int h = 0; h < heads; ++h)
-      for (int i = 0; i < d; ++i) q_buf[static_cast<size_t>(h) * d + at(i)] = q[static_cast<size_t>(h) * d + i] * scale;
+      for (int i = 0; i < d; ++i) q_buf[static_cast<size_t>(h) * d + choice.at(i)] = q[static_cast<size_t>(h) * d + i] * scale;
   }
   [[maybe_unused]] const int16_t* q16 = q16_buf.data();  // the integer task's (x86 only)
   const float* qf = q_buf.data();
@@ -117,27 +138,14 @@ void attend(const float* q, int heads, int head_dim, const T* k, const T* v, int
     const RowScales rs{k_scale ? k_scale + g * scale_head_stride : nullptr,
                        v_scale ? v_scale + g * scale_head_stride : nullptr};
 #if defined(MOSAIC_X86)
-    if constexpr (int8) {
+    if constexpr (TaskChoice<T>::int8) {
       if (integer) {
         task_i8_vnni(q16 + h0 * d, qf + h0, n, d, kg, vg, rs, k0, k1, o, part);
         continue;
       }
     }
-    if (wide) {
-      task_avx512(qg, n, d, kg, vg, rs, k0, k1, o, part);
-      continue;
-    }
-    if (avx2) {
-      task_avx2(qg, n, d, kg, vg, rs, k0, k1, o, part);
-      continue;
-    }
-#elif defined(MOSAIC_ARM)
-    if (neon) {
-      task_neon(qg, n, d, kg, vg, rs, k0, k1, o, part);
-      continue;
-    }
 #endif
-    task_scalar(qg, n, d, kg, vg, rs, k0, k1, o, part);
+    choice.run(qg, n, kg, vg, rs, k0, k1, o, part);
   }
   // Merge each query head's chunks in ascending order, in the kernel's element order (a loop that
   // vectorizes), then put the elements back in place. A sink is one more logit in the denominator.
@@ -178,22 +186,7 @@ void attend_prompt(const float* q, int t_count, int heads, int d, const T* k, co
   const int sub = (rep + kMaxRep - 1) / kMaxRep, per = (rep + sub - 1) / sub;  // query heads an item takes
   const int span = std::max(1, kMaxRep / per);                                  // positions a block takes
   const int blocks = (t_count + span - 1) / span, items = blocks * kv_heads * sub;
-  constexpr bool bf16 = std::is_same<T, uint16_t>::value, int8 = std::is_same<T, int8_t>::value;
-  const bool wide = vector_isa(isa) == Isa::Avx512 && d % (int8 || bf16 ? 32 : 16) == 0;
-  [[maybe_unused]] const bool avx2 = !wide && vector_isa(isa) != Isa::Scalar && d % 8 == 0;
-  [[maybe_unused]] const bool neon = vector_isa(isa) == Isa::Neon && d % 8 == 0;
-  const bool split = bf16 && wide;  // element order of the AVX-512 bf16 task's query and output rows
-  auto at = [split](int i) { return split ? (i & ~31) + (i & 1) * 16 + (i & 31) / 2 : i; };
-  auto task = [&](const float* qg, int n, const T* kg, const T* vg, RowScales rs, int k0, int k1, float* o,
-                  Partial* part) {
-#if defined(MOSAIC_X86)
-    if (wide) return task_avx512(qg, n, d, kg, vg, rs, k0, k1, o, part);
-    if (avx2) return task_avx2(qg, n, d, kg, vg, rs, k0, k1, o, part);
-#elif defined(MOSAIC_ARM)
-    if (neon) return task_neon(qg, n, d, kg, vg, rs, k0, k1, o, part);
-#endif
-    task_scalar(qg, n, d, kg, vg, rs, k0, k1, o, part);
-  };
+  const TaskChoice<T> choice(isa, d);
 #pragma omp parallel num_threads(std::max(1, std::min(threads, items)))
   {
     std::vector<float> qb(static_cast<size_t>(kMaxRep) * d), acc(qb.size()), o(qb.size());
@@ -219,7 +212,7 @@ void attend_prompt(const float* q, int t_count, int heads, int d, const T* k, co
         for (int r = 0; r < n; ++r) {
           const float* src = q + (static_cast<int64_t>(p0 + pi) * heads + g * rep + h0 + r) * d;
           float* dst = qb.data() + static_cast<int64_t>(pi * n + r) * d;
-          for (int i = 0; i < d; ++i) dst[at(i)] = src[i] * scale;
+          for (int i = 0; i < d; ++i) dst[choice.at(i)] = src[i] * scale;
         }
       std::fill(acc.begin(), acc.begin() + static_cast<int64_t>(rows) * d, 0.f);
       std::fill(total.begin(), total.begin() + rows, Partial{-std::numeric_limits<float>::infinity(), 0.f});
@@ -229,12 +222,12 @@ void attend_prompt(const float* q, int t_count, int heads, int d, const T* k, co
                          v_scale ? v_scale + g * scale_head_stride : nullptr};
       const int shared = start + p0;  // keys every position of the block sees
       for (int k0 = 0; k0 < shared; k0 += kChunk) {
-        task(qb.data(), rows, kg, vg, rs, k0, std::min(shared, k0 + kChunk), o.data(), part.data());
+        choice.run(qb.data(), rows, kg, vg, rs, k0, std::min(shared, k0 + kChunk), o.data(), part.data());
         merge(0, rows);
       }
       for (int pi = 0; pi < np; ++pi) {  // the block's own keys, up to each position
-        task(qb.data() + static_cast<int64_t>(pi) * n * d, n, kg, vg, rs, shared, shared + pi + 1, o.data(),
-             part.data());
+        choice.run(qb.data() + static_cast<int64_t>(pi) * n * d, n, kg, vg, rs, shared, shared + pi + 1, o.data(),
+                  part.data());
         merge(pi * n, n);
       }
       for (int pi = 0; pi < np; ++pi)
@@ -243,7 +236,7 @@ void attend_prompt(const float* q, int t_count, int heads, int d, const T* k, co
           const float inv = 1.f / total[row].sum;
           const float* src = acc.data() + static_cast<int64_t>(row) * d;
           float* dst = out + (static_cast<int64_t>(p0 + pi) * heads + g * rep + h0 + r) * d;
-          for (int i = 0; i < d; ++i) dst[i] = src[at(i)] * inv;
+          for (int i = 0; i < d; ++i) dst[i] = src[choice.at(i)] * inv;
         }
     }
   }
