@@ -130,7 +130,7 @@ def test_prefill_attention_matches_torch(hq, hkv, d, t, start):
 
 # (query heads, KV heads, head_dim, chunk tokens, positions before the chunk): blocks of positions cut short
 # at the chunk's end, keys before it across the 512-key chunk, 1 to 65 query heads a KV head (a task takes 64
-# rows: 130 on 2 go in two groups of 65, one position a block), head sizes that take the AVX2 task under AVX-512.
+# rows: 65 go in groups of 33 and 32, one position a block), head sizes that take the AVX2 task under AVX-512.
 NATIVE_PREFILL_SHAPES = [*PREFILL_SHAPES, (32, 4, 128, 21, 530), (130, 2, 32, 3, 9), (2, 2, 64, 70, 0),
                          (16, 2, 256, 9, 40)]
 

@@ -381,7 +381,7 @@ void check_prefill_attention() {
     int tokens, start, heads, kv_heads, dim;
   };
   const Case cases[] = {{1, 0, 2, 1, 8}, {9, 0, 8, 2, 64}, {19, 530, 6, 3, 128}, {11, 3, 4, 1, 80},
-                        {3, 40, 130, 2, 32}, {70, 7, 32, 4, 64}};  // 65 query heads a KV head; 8 blocks of 8
+                        {3, 40, 130, 2, 32}, {70, 7, 32, 4, 64}};  // 65 query heads a KV head (33 + 32); blocks of 8 positions, then 6
   for (Isa isa : isas_under_test())
     for (const Case& c : cases) {
       const int length = c.start + c.tokens, rows = length + 5;  // the cache runs past the chunk
